@@ -1,0 +1,318 @@
+"""Sampling: greedy, temperature/top-k/top-p, penalties, and lossless rejection sampling.
+
+Why: speculative decoding must not change what the target would have produced. Greedy requests
+must emit exactly the argmax plain decoding emits; sampled requests must emit tokens with exactly
+the distribution plain decoding samples from. Both hold only if every verify row is processed
+like the decode row at the same position: penalties see the request's generated tokens *plus the
+drafts before that row*, and every step is computed per row (row-invariant), so a row's result
+never depends on which other rows share the batch.
+
+Layout:
+  SamplingParams   per-request knobs (frozen, validated)
+  make_generator   one torch.Generator per sampled request, deterministic per run
+  process_logits   raw logits -> processed fp32 logits (penalties, temperature, top-k, top-p)
+  probs / sample   the distribution actually sampled from, and one draw from it
+  verify           chain rejection sampling (Leviathan et al. 2023, Chen et al. 2023) over k drafts
+  apply_stop       cut newly emitted tokens at EOS / stop tokens / max_new_tokens
+
+Order of processing per row: presence/frequency penalties -> temperature -> top-k -> top-p,
+the order vLLM uses. Top-p works on the distribution left after top-k. Greedy rows
+(temperature 0) get the penalties only and take the argmax (lowest index on ties).
+A sample consumes exactly one uniform from the request's generator (inverse CDF), and a verify
+step consumes exactly k + 1, whatever is accepted, so seeded runs are reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from freetoken.errors import FreetokenError
+
+DEFAULT_GLOBAL_SEED = 0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 -> greedy
+    top_k: int = 0  # 0 -> off
+    top_p: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI semantics over the request's generated tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise FreetokenError(f"sampling: temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FreetokenError(f"sampling: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise FreetokenError(f"sampling: top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise FreetokenError(f"sampling: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _mix_seed(global_seed: int, request_index: int) -> int:
+    """splitmix64 of (global_seed, request_index): unrelated streams for neighbouring requests."""
+    mask = (1 << 64) - 1
+    z = (global_seed * 0x9E3779B97F4A7C15 + request_index + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def make_generator(
+    params: SamplingParams,
+    request_index: int,
+    device: torch.device | str = "cpu",
+    global_seed: int = DEFAULT_GLOBAL_SEED,
+) -> torch.Generator | None:
+    """The request's own random stream; None for greedy requests (they draw nothing).
+
+    An explicit `params.seed` is used as is (same seed -> same samples, whatever the request's
+    position); without one the seed is derived from `global_seed` and `request_index`.
+    """
+    if params.is_greedy:
+        return None
+    seed = params.seed if params.seed is not None else _mix_seed(global_seed, request_index)
+    g = torch.Generator(device=device)
+    g.manual_seed(seed & ((1 << 64) - 1))
+    return g
+
+
+def _penalize(logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]) -> None:
+    """In place: logits[r, t] -= count_r(t) * frequency + (count_r(t) > 0) * presence."""
+    rows = [r for r, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return
+    R, V = len(rows), logits.shape[1]
+    max_len = max((len(histories[r]) for r in rows), default=0)
+    if max_len == 0:
+        return
+    dev = logits.device
+    ids = torch.zeros(R, max_len, dtype=torch.int64)
+    valid = torch.zeros(R, max_len, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        h = list(histories[r])
+        ids[i, : len(h)] = torch.tensor(h, dtype=torch.int64)
+        valid[i, : len(h)] = 1.0
+    counts = torch.zeros(R, V, dtype=torch.float32, device=dev)  # [R, V]
+    counts.scatter_add_(1, ids.to(dev), valid.to(dev))
+    freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=torch.float32, device=dev)
+    pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=torch.float32, device=dev)
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    penalty = counts * freq[:, None] + (counts > 0).float() * pres[:, None]
+    logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
+
+
+def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask to -inf everything outside top-k, then outside the top-p nucleus of what is left.
+
+    x: [R, V] fp32 (temperature applied); top_k: [R] int64 (0 = off); top_p: [R] fp32 (1 = off).
+    Top-k keeps exactly k tokens (ties broken toward the lower token id). Top-p keeps the
+    smallest prefix of the descending distribution whose mass reaches p (at least one token).
+    """
+    R, V = x.shape
+    s, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [R, V]
+    pos = torch.arange(V, device=x.device).expand(R, V)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+    keep = pos < k[:, None]
+    s = s.masked_fill(~keep, float("-inf"))
+    cum = torch.cumsum(torch.softmax(s, dim=-1), dim=-1)
+    mass_before = torch.zeros_like(cum)  # mass of the tokens ranked above each token
+    mass_before[:, 1:] = cum[:, :-1]
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    mask = torch.zeros_like(keep).scatter_(1, order, keep)
+    return x.masked_fill(~mask, float("-inf"))
+
+
+def process_logits(logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]) -> Tensor:
+    """Raw logits [R, V] (any float dtype) -> processed fp32 logits [R, V].
+
+    Row r depends only on logits[r], params[r] and histories[r] (the generated tokens before
+    that row). Greedy rows get penalties only; sampled rows also temperature, top-k and top-p.
+    """
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(histories)
+    x = logits.float().clone()  # [R, V]
+    _penalize(x, params, histories)
+    sampled = [r for r, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return x
+    dev = x.device
+    index = torch.tensor(sampled, dtype=torch.int64, device=dev)
+    temp = torch.tensor([params[r].temperature for r in sampled], dtype=torch.float32, device=dev)
+    y = x.index_select(0, index) / temp[:, None]
+    if any(params[r].top_k > 0 or params[r].top_p < 1.0 for r in sampled):
+        top_k = torch.tensor([params[r].top_k for r in sampled], dtype=torch.int64, device=dev)
+        top_p = torch.tensor([params[r].top_p for r in sampled], dtype=torch.float32, device=dev)
+        y = _top_k_top_p(y, top_k, top_p)
+    x.index_copy_(0, index, y)
+    return x
+
+
+def _one_hot_argmax(x: Tensor) -> Tensor:
+    """[R, V] -> [R, V] fp32 one-hot at the argmax (lowest index on ties)."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    return out.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def probs(logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]) -> Tensor:
+    """The distribution [R, V] fp32 each row is sampled from; one-hot at the argmax for greedy rows."""
+    x = process_logits(logits, params, histories)
+    p = torch.softmax(x, dim=-1)
+    greedy = torch.tensor([q.is_greedy for q in params], device=x.device)
+    if greedy.any():
+        p = torch.where(greedy[:, None], _one_hot_argmax(x), p)
+    return p
+
+
+def _uniforms(
+    generators: Sequence[torch.Generator | None], needed: Sequence[bool], n: int, device: torch.device
+) -> Tensor:
+    """[len(generators), n] fp64 uniforms in [0, 1); row r from generators[r] where needed[r]
+    (torch's default generator if that is None), zeros elsewhere."""
+    out = torch.zeros(len(generators), n, dtype=torch.float64, device=device)
+    for r, (g, need) in enumerate(zip(generators, needed)):
+        if need:
+            gdev = g.device if g is not None else device
+            out[r] = torch.rand(n, generator=g, device=gdev, dtype=torch.float64).to(device)
+    return out
+
+
+def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """One draw per row from unnormalized non-negative weights [R, V] with uniforms u [R] -> [R] int64.
+
+    The chosen token always has positive weight (rows with zero total return 0).
+    """
+    cdf = torch.cumsum(weights.double(), dim=-1)  # [R, V]
+    total = cdf[:, -1]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
+    return idx.clamp_(max=weights.shape[1] - 1)
+
+
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+) -> Tensor:
+    """One token per row -> [R] int64; greedy rows take the argmax, sampled rows one draw each."""
+    x = process_logits(logits, params, histories)
+    tokens = x.argmax(dim=-1)
+    sampled = [r for r, p in enumerate(params) if not p.is_greedy]
+    if sampled:
+        index = torch.tensor(sampled, dtype=torch.int64, device=x.device)
+        p = torch.softmax(x.index_select(0, index), dim=-1)
+        u = _uniforms([generators[r] for r in sampled], [True] * len(sampled), 1, x.device)[:, 0]
+        tokens.index_copy_(0, index, _inverse_cdf(p, u))
+    return tokens
+
+
+@dataclass
+class VerifyResult:
+    accepted_len: Tensor  # [B] int64, number of accepted drafts (0..k)
+    next_token: Tensor  # [B] int64, the correction token (first rejection) or the bonus token
+
+
+def verify(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+) -> VerifyResult:
+    """Accept a prefix of the drafts and emit one more token, losslessly.
+
+    target_logits: [B, k+1, V] raw target logits; row i scores the token after draft i.
+    draft_tokens:  [B, k] int64.
+    draft_probs:   [B, k, V] the draft distributions q_i the drafts were sampled from, or None
+                   for deterministic drafts (one-hot q).
+    histories[b]:  the generated tokens of request b before this step; row i sees
+                   histories[b] + draft_tokens[b, :i].
+    Greedy requests accept while the draft equals the argmax and emit the argmax of the first
+    mismatching row (or of row k: the bonus). Sampled requests accept d_i with probability
+    min(1, p_i(d_i) / q_i(d_i)), emit a draw from norm(max(0, p_i - q_i)) at the first rejection,
+    or a bonus draw from p_k when all k are accepted.
+    """
+    B, k1, V = target_logits.shape
+    k = k1 - 1
+    dev = target_logits.device
+    assert draft_tokens.shape == (B, k) and len(params) == len(histories) == len(generators) == B
+    drafts = draft_tokens.to(device=dev, dtype=torch.int64)
+    drafts_list = drafts.tolist() if any(sp.has_penalties for sp in params) else None
+    row_params = [sp for sp in params for _ in range(k1)]
+    row_histories = [
+        (list(histories[b]) + drafts_list[b][:i]) if drafts_list is not None and params[b].has_penalties else ()
+        for b in range(B)
+        for i in range(k1)
+    ]
+    x = process_logits(target_logits.reshape(B * k1, V), row_params, row_histories).view(B, k1, V)
+    greedy = torch.tensor([sp.is_greedy for sp in params], device=dev)  # [B]
+    argmax = x.argmax(dim=-1)  # [B, k+1]
+    p = torch.softmax(x, dim=-1)  # [B, k+1, V] target distributions
+
+    u = _uniforms(generators, [not sp.is_greedy for sp in params], k1, dev)  # [B, k+1]: k accepts + 1 draw
+    p_d = p[:, :k].gather(2, drafts[..., None]).squeeze(2).double()  # [B, k]
+    if draft_probs is not None:
+        q = draft_probs.to(device=dev, dtype=torch.float32)  # [B, k, V]
+        q_d = q.gather(2, drafts[..., None]).squeeze(2).double()
+    else:
+        q = None
+        q_d = torch.ones_like(p_d)
+    accept = torch.where(greedy[:, None], drafts == argmax[:, :k], u[:, :k] * q_d < p_d)  # [B, k]
+    accepted_len = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+
+    rows = torch.arange(B, device=dev)
+    target = p[rows, accepted_len]  # [B, V]
+    rejected = accepted_len < k
+    if k > 0:
+        at = accepted_len.clamp(max=k - 1)
+        if q is not None:
+            q_at = q[rows, at]
+        else:
+            q_at = torch.zeros(B, V, device=dev).scatter_(1, drafts[rows, at][:, None], 1.0)
+        residual = (target - q_at).clamp_(min=0)
+        usable = rejected & (residual.sum(dim=-1) > 0)
+        target = torch.where(usable[:, None], residual, target)
+    drawn = _inverse_cdf(target, u[:, k])
+    next_token = torch.where(greedy, argmax[rows, accepted_len], drawn)
+    return VerifyResult(accepted_len=accepted_len, next_token=next_token)
+
+
+def apply_stop(
+    tokens: Sequence[int],
+    params: SamplingParams,
+    eos_ids: Sequence[int] | set[int],
+    num_generated_before: int = 0,
+) -> tuple[list[int], bool]:
+    """Cut newly emitted tokens where plain decoding would have stopped -> (kept, finished).
+
+    Stops after the first stop token, the first EOS (unless ignore_eos), or once
+    num_generated_before + len(kept) reaches max_new_tokens; the stopping token is kept.
+    """
+    eos = set() if params.ignore_eos else set(eos_ids)
+    stops = set(params.stop_token_ids)
+    kept: list[int] = []
+    if num_generated_before >= params.max_new_tokens:
+        return kept, True
+    for t in tokens:
+        kept.append(t)
+        if t in stops or t in eos or num_generated_before + len(kept) >= params.max_new_tokens:
+            return kept, True
+    return kept, False
