@@ -1,0 +1,142 @@
+"""Canonical tensor names and shapes of the Qwen3.5 family (dense `qwen3_5` and MoE `qwen3_5_moe`).
+
+The canonical names are Hugging Face's text-model names (`model.*`, `lm_head.weight`), so a unified
+checkpoint loads in transformers too. Two choices are fixed here for every source:
+- routed experts are always fused: `experts.gate_up_proj [E, 2I, H]` (gate rows first) and
+  `experts.down_proj [E, H, I]`, without a `.weight` suffix;
+- the MTP head sits at the root under `mtp.*`; the vision tower under `model.visual.*` is kept
+  as-is and not validated here.
+
+Layout: `canonical_name` (prefix aliases), `expected_tensors` (name -> shape),
+`per_expert_key` / `fuse_experts` (per-expert -> fused).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from freetoken.errors import CheckpointError
+from freetoken.models.qwen3_5.config import Qwen35Config
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def canonical_name(hf_name: str) -> str:
+    """Map an HF checkpoint name to its canonical name: `model.language_model.X` -> `model.X`."""
+    if hf_name.startswith("model.language_model."):
+        return "model." + hf_name[len("model.language_model.") :]
+    return hf_name
+
+
+def _mlp(prefix: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    if not cfg.is_moe:
+        i = cfg.intermediate_size
+        return {f"{prefix}.gate_proj.weight": (i, h), f"{prefix}.up_proj.weight": (i, h), f"{prefix}.down_proj.weight": (h, i)}
+    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    out = {
+        f"{prefix}.gate.weight": (e, h),
+        f"{prefix}.experts.gate_up_proj": (e, 2 * i, h),
+        f"{prefix}.experts.down_proj": (e, h, i),
+    }
+    if s:
+        out |= {
+            f"{prefix}.shared_expert.gate_proj.weight": (s, h),
+            f"{prefix}.shared_expert.up_proj.weight": (s, h),
+            f"{prefix}.shared_expert.down_proj.weight": (h, s),
+            f"{prefix}.shared_expert_gate.weight": (1, h),
+        }
+    return out
+
+
+def _attention(prefix: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    return {
+        f"{prefix}.q_proj.weight": (2 * nh * hd, h),  # query and output gate, interleaved per head
+        f"{prefix}.k_proj.weight": (nkv * hd, h),
+        f"{prefix}.v_proj.weight": (nkv * hd, h),
+        f"{prefix}.o_proj.weight": (h, nh * hd),
+        f"{prefix}.q_norm.weight": (hd,),
+        f"{prefix}.k_norm.weight": (hd,),
+    }
+
+
+def _linear_attention(prefix: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    h, nv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    c = cfg.linear_conv_dim
+    return {
+        f"{prefix}.in_proj_qkv.weight": (c, h),
+        f"{prefix}.in_proj_z.weight": (nv * dv, h),
+        f"{prefix}.in_proj_b.weight": (nv, h),
+        f"{prefix}.in_proj_a.weight": (nv, h),
+        f"{prefix}.conv1d.weight": (c, 1, cfg.linear_conv_kernel_dim),
+        f"{prefix}.A_log": (nv,),
+        f"{prefix}.dt_bias": (nv,),
+        f"{prefix}.norm.weight": (dv,),
+        f"{prefix}.out_proj.weight": (h, nv * dv),
+    }
+
+
+def _decoder_layer(prefix: str, layer_type: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    out = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,)}
+    if layer_type == "full_attention":
+        out |= _attention(f"{prefix}.self_attn", cfg)
+    else:
+        out |= _linear_attention(f"{prefix}.linear_attn", cfg)
+    return out | _mlp(f"{prefix}.mlp", cfg)
+
+
+def expected_tensors(cfg: Qwen35Config, *, with_mtp: bool) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of the text model (and of its MTP head if `with_mtp`), with its shape."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (v, h)
+    for i, layer_type in enumerate(cfg.layer_types):
+        out |= _decoder_layer(f"model.layers.{i}", layer_type, cfg)
+    if with_mtp:
+        out |= {
+            "mtp.fc.weight": (h, 2 * h),
+            "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.pre_fc_norm_hidden.weight": (h,),
+            "mtp.norm.weight": (h,),
+        }
+        for j in range(max(cfg.mtp_num_hidden_layers, 1)):
+            out |= _decoder_layer(f"mtp.layers.{j}", "full_attention", cfg)
+    return out
+
+
+def per_expert_key(name: str) -> tuple[str, int, str] | None:
+    """`...mlp.experts.{e}.{kind}.weight` -> (`...mlp.experts`, e, kind); None for any other name."""
+    m = _PER_EXPERT.match(name)
+    return (m["prefix"], int(m["e"]), m["kind"]) if m else None
+
+
+def fuse_group(prefix: str, group: dict[tuple[int, str], torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Fuse one layer's per-expert tensors, keyed (expert, kind), into `gate_up_proj` and `down_proj`."""
+    missing = [f"{prefix}.{e}.{k}.weight" for e in range(num_experts) for k in ("gate_proj", "up_proj", "down_proj") if (e, k) not in group]
+    extra = [f"{prefix}.{e}.{k}.weight" for (e, k) in group if e >= num_experts]
+    if missing or extra:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
+        raise CheckpointError(f"incomplete per-expert tensors for {prefix}: {what}")
+    gate_up = torch.stack([torch.cat([group[(e, "gate_proj")], group[(e, "up_proj")]], dim=0) for e in range(num_experts)])
+    down = torch.stack([group[(e, "down_proj")] for e in range(num_experts)])
+    return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}  # [E, 2I, H], [E, H, I]
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, torch.Tensor]:
+    """Replace every per-expert `experts.{e}.{gate,up,down}_proj.weight` by the fused pair; error if incomplete."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        key = per_expert_key(name)
+        if key is None:
+            out[name] = tensor
+        else:
+            groups.setdefault(key[0], {})[(key[1], key[2])] = tensor
+    for prefix, group in groups.items():
+        out |= fuse_group(prefix, group, cfg.num_experts)
+    return out
