@@ -1,0 +1,268 @@
+"""Hugging Face safetensors checkpoints of the Qwen3.5 family -> unified checkpoint.
+
+The conversion is planned from the safetensors headers alone, before any weight is read: every
+source tensor must map to a canonical name (`models/qwen3_5/weights.py`) and every expected
+tensor must be present with its shape, so a bad checkpoint fails fast with the names at fault.
+Then tensors are streamed one at a time (per-expert tensors are buffered only until their layer
+is complete, then fused) into the atomic writer.
+
+What is undone here, and recorded in the provenance: the `model.language_model.` prefix, per-expert
+MoE tensors (fused), an `lm_head.weight` that duplicates tied embeddings, a dropped vision tower
+(`text_only`).
+
+Layout: `read_hf` (plan + tensor stream, reusable by other converters), `convert_hf`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+
+import freetoken
+from freetoken.checkpoint import Manifest, Provenance, hash_file, read_safetensors_header, write_checkpoint
+from freetoken.converters.detect import resolve_source
+from freetoken.errors import CheckpointError, OutputExistsError, UnsupportedModelError
+from freetoken.models.qwen3_5.config import Qwen35Config
+from freetoken.models.qwen3_5.weights import canonical_name, expected_tensors, fuse_group, per_expert_key
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+INDEX_FILE = "model.safetensors.index.json"
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+class HFSource(NamedTuple):
+    config: Qwen35Config
+    tensors: Iterator[tuple[str, torch.Tensor]]  # (canonical name, tensor), streamed
+    tokenizer_files: dict[str, bytes]
+    provenance: Provenance
+    vision_config: dict | None  # the source's vision_config when model.visual.* is kept
+
+
+@dataclass
+class _Plan:
+    """Where each canonical tensor comes from; built from headers only."""
+
+    direct: dict[str, tuple[Path, str]] = field(default_factory=dict)  # canonical -> (file, source name)
+    experts: dict[str, dict[tuple[int, str], tuple[Path, str]]] = field(default_factory=dict)  # fused prefix -> (e, kind) -> src
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # canonical -> shape
+    source_of: dict[str, str] = field(default_factory=dict)  # canonical -> source name (for messages)
+    dropped: set[str] = field(default_factory=set)  # source names not converted
+    renamed: bool = False
+
+
+def _first(names: list[str], n: int = 5) -> str:
+    return ", ".join(sorted(names)[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"unreadable JSON ({e})", path) from None
+
+
+def _read_config(root: Path) -> tuple[dict, Qwen35Config]:
+    path = root / "config.json"
+    if not path.is_file():
+        raise CheckpointError("not a Hugging Face checkpoint (no config.json)", root)
+    raw = _load_json(path)
+    try:
+        cfg = Qwen35Config.from_hf(raw)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(str(e), path) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"missing or bad field {e}", path) from None
+    if not cfg.eos_token_ids and (root / "generation_config.json").is_file():
+        eos = _load_json(root / "generation_config.json").get("eos_token_id")
+        if eos is not None:
+            cfg = replace(cfg, eos_token_ids=tuple(int(i) for i in (eos if isinstance(eos, list) else [eos])))
+    return raw, cfg
+
+
+def _shard_files(root: Path) -> tuple[list[Path], Path | None]:
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = _load_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError("no weight_map", index)
+        files = [root / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} listed in {INDEX_FILE} is missing", f)
+        return files, index
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError("no *.safetensors files", root)
+    return files, None
+
+
+def _plan(files: list[Path], headers: dict[Path, dict], *, text_only: bool) -> _Plan:
+    plan = _Plan()
+    for file in files:
+        for name, info in headers[file].items():
+            if name.startswith("model.visual.") and text_only:
+                plan.dropped.add(name)
+                continue
+            canon = canonical_name(name)
+            plan.renamed |= canon != name
+            key = per_expert_key(canon)
+            if key is not None:
+                plan.experts.setdefault(key[0], {})[(key[1], key[2])] = (file, name)
+                plan.shapes[canon] = tuple(info["shape"])
+                continue
+            if canon in plan.direct:
+                raise CheckpointError(f"tensor {canon!r} appears twice (as {plan.source_of[canon]!r} and {name!r})", file)
+            plan.direct[canon] = (file, name)
+            plan.shapes[canon] = tuple(info["shape"])
+            plan.source_of[canon] = name
+    return plan
+
+
+def _fused_shapes(plan: _Plan, num_experts: int) -> None:
+    """Add the shapes of the fused expert tensors to the plan (from expert 0's shapes)."""
+    for prefix, group in plan.experts.items():
+        if f"{prefix}.gate_up_proj" in plan.direct or f"{prefix}.down_proj" in plan.direct:
+            raise CheckpointError(f"{prefix} has both fused and per-expert tensors")
+        want = {(e, k) for e in range(num_experts) for k in ("gate_proj", "up_proj", "down_proj")}
+        if set(group) != want:
+            missing = [f"{prefix}.{e}.{k}.weight" for e, k in sorted(want - set(group))]
+            extra = [f"{prefix}.{e}.{k}.weight" for e, k in sorted(set(group) - want)]
+            raise CheckpointError(f"incomplete per-expert tensors: {'missing ' + _first(missing) if missing else 'unexpected ' + _first(extra)}")
+        gate, down = plan.shapes[f"{prefix}.0.gate_proj.weight"], plan.shapes[f"{prefix}.0.down_proj.weight"]
+        plan.shapes[f"{prefix}.gate_up_proj"] = (num_experts, 2 * gate[0], *gate[1:])
+        plan.shapes[f"{prefix}.down_proj"] = (num_experts, *down)
+        plan.source_of[f"{prefix}.gate_up_proj"] = plan.source_of[f"{prefix}.down_proj"] = f"{prefix}.*"
+
+
+def _validate(plan: _Plan, cfg: Qwen35Config, root: Path) -> None:
+    mtp = cfg.mtp_num_hidden_layers > 0
+    expected = expected_tensors(cfg, with_mtp=mtp)
+    available = set(plan.direct) | {f"{p}.{s}" for p in plan.experts for s in ("gate_up_proj", "down_proj")}
+    unknown = [plan.source_of[n] for n in available if n not in expected and not n.startswith("model.visual.")]
+    if unknown:
+        raise CheckpointError(f"unknown tensors (not part of a {cfg.model_type} checkpoint): {_first(unknown)}", root)
+    missing = [n for n in expected if n not in available]
+    missing_mtp = [n for n in missing if n.startswith("mtp.")]
+    if missing_mtp:
+        raise CheckpointError(f"incomplete MTP head: missing {_first(missing_mtp)}", root)
+    if missing:
+        raise CheckpointError(f"missing tensors: {_first(missing)}", root)
+    for name, shape in expected.items():
+        if plan.shapes[name] != shape:
+            raise CheckpointError(f"tensor {plan.source_of[name]} has shape {list(plan.shapes[name])}, config.json implies {list(shape)}", root)
+
+
+def _tie(plan: _Plan, cfg: Qwen35Config, transforms: list[str]) -> Qwen35Config:
+    if "lm_head.weight" not in plan.direct:
+        if not cfg.tie_word_embeddings:
+            transforms.append("tie_word_embeddings set: the checkpoint has no lm_head.weight")
+        return replace(cfg, tie_word_embeddings=True)
+    if not cfg.tie_word_embeddings:
+        return cfg
+    (f_head, n_head), (f_emb, n_emb) = plan.direct["lm_head.weight"], plan.direct.get("model.embed_tokens.weight", (None, None))
+    if f_emb is None:
+        return cfg  # reported as missing by _validate
+    with safe_open(f_head, "pt") as a, safe_open(f_emb, "pt") as b:
+        same = torch.equal(a.get_tensor(n_head), b.get_tensor(n_emb))
+    if not same:
+        raise CheckpointError("tie_word_embeddings is true but lm_head.weight differs from embed_tokens", f_head)
+    del plan.direct["lm_head.weight"]
+    plan.dropped.add(n_head)
+    transforms.append("lm_head.weight dropped: identical to the tied embed_tokens")
+    return cfg
+
+
+def _stream(files: list[Path], headers: dict[Path, dict], plan: _Plan, num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    by_source = {(f, n): canon for canon, (f, n) in plan.direct.items()}
+    expert_of = {src: (prefix, key) for prefix, group in plan.experts.items() for key, src in group.items()}
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for file in files:
+        order = sorted(headers[file], key=lambda n: headers[file][n]["data_offsets"][0])
+        with safe_open(file, "pt") as f:
+            for name in order:
+                if (file, name) in by_source:
+                    yield by_source[(file, name)], f.get_tensor(name)
+                elif (file, name) in expert_of:
+                    prefix, key = expert_of[(file, name)]
+                    group = pending.setdefault(prefix, {})
+                    group[key] = f.get_tensor(name)
+                    if len(group) == 3 * num_experts:
+                        yield from fuse_group(prefix, pending.pop(prefix), num_experts).items()
+
+
+def read_hf(src: str | Path, *, text_only: bool = False) -> HFSource:
+    """Plan and validate the conversion of an HF checkpoint; the tensors are read when iterated."""
+    root = resolve_source(src)
+    if not root.is_dir():
+        raise CheckpointError("not a Hugging Face checkpoint directory", root)
+    raw, cfg = _read_config(root)
+    files, index = _shard_files(root)
+    headers = {f: read_safetensors_header(f) for f in files}
+    if index is not None:
+        listed = set(_load_json(index)["weight_map"])
+        found = {n for h in headers.values() for n in h}
+        if listed != found:
+            raise CheckpointError(f"weight_map does not match the shards (e.g. {_first(list(listed ^ found), 3)})", index)
+    plan = _plan(files, headers, text_only=text_only)
+    transforms: list[str] = []
+    if plan.renamed:
+        transforms.append("model.language_model.* renamed to model.*")
+    if plan.experts:
+        transforms.append(f"experts fused from per-expert tensors ({len(plan.experts)} layers)")
+    if text_only and plan.dropped:
+        transforms.append("model.visual.* dropped (text only)")
+    _fused_shapes(plan, cfg.num_experts)
+    mtp_layers = {int(m[1]) for n in plan.shapes if (m := _MTP_LAYER.match(n))}
+    has_mtp = any(n.startswith("mtp.") for n in plan.shapes)
+    cfg = replace(cfg, mtp_num_hidden_layers=(max(mtp_layers) + 1 if mtp_layers else 1) if has_mtp else 0)
+    cfg = _tie(plan, cfg, transforms)
+    _validate(plan, cfg, root)
+
+    extra = [root / "config.json", root / "generation_config.json", *([index] if index else []), *files]
+    tokenizer_files = {name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()}
+    sources = tuple(hash_file(p) for p in extra + [root / n for n in tokenizer_files] if p.is_file())
+    provenance = Provenance("hf", freetoken.__version__, sources, tuple(transforms))
+    keeps_visual = any(n.startswith("model.visual.") for n in plan.direct)
+    vision_config = raw.get("vision_config") if keeps_visual else None
+    return HFSource(cfg, _stream(files, headers, plan, cfg.num_experts), tokenizer_files, provenance, vision_config)
+
+
+def convert_hf(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    force: bool = False,
+    dtype: torch.dtype | None = None,
+    text_only: bool = False,
+    shard_size: int = 5 * 10**9,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Convert an HF checkpoint directory (or a cached repo id) into a unified checkpoint at `dst`."""
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise OutputExistsError("output exists (use --force to replace it)", dst)
+    source = read_hf(src, text_only=text_only)
+    config = source.config.to_dict()
+    if source.vision_config is not None:
+        config["vision_config"] = source.vision_config
+    n_mtp = source.config.mtp_num_hidden_layers
+    return write_checkpoint(
+        dst,
+        family="qwen3_5",
+        config=config,
+        tensors=source.tensors,
+        draft_heads={"mtp": {"num_layers": n_mtp}} if n_mtp else {},
+        tokenizer_files=source.tokenizer_files,
+        provenance=source.provenance,
+        dtype=dtype,
+        shard_size=int(shard_size),
+        force=force,
+        progress=progress,
+    )
