@@ -1,0 +1,33 @@
+"""Engine settings: a frozen dataclass built once from the CLI or the Python API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    max_num_seqs: int = 16  # running requests at once (linear-state slots)
+    max_num_batched_tokens: int = 512  # prefill tokens per step (chunked prefill budget)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: enough for max_num_seqs requests of max_model_len tokens
+    max_model_len: int = 4096
+    spec: str = "none"  # none | mtp
+    num_draft_tokens: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        from freetoken.errors import FreetokenError
+
+        if self.spec == "none" and self.num_draft_tokens:
+            raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp)")
+        if self.num_draft_tokens < 0 or self.max_num_seqs < 1 or self.block_size < 1:
+            raise FreetokenError("engine sizes must be positive")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

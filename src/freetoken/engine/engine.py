@@ -1,0 +1,149 @@
+"""The offline batch engine: add requests, step until done.
+
+One step = schedule -> (prefill chunks | propose drafts, verify k+1 rows per request, accept,
+commit) -> hand the committed rows to the spec method. Shaped after nano-vllm's LLMEngine, with the
+decode step written as gpt-fast's speculative loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from freetoken import sampling
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.linear_state_pool import LinearStatePool
+from freetoken.engine.request import Request, RequestStatus
+from freetoken.engine.runner import RowGroup, build_context
+from freetoken.engine.scheduler import PrefillChunk, Scheduler
+from freetoken.engine.spec_protocol import CommittedRows, NoSpec, SpecMethod
+from freetoken.forward_context import ForwardMode
+from freetoken.sampling import SamplingParams
+
+
+@dataclass
+class StepStats:
+    prefill_tokens: int = 0
+    decode_steps: int = 0  # target decode/verify forwards
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # index i: verifies that accepted draft i+1
+    num_verifies: int = 0  # request-level verify rows groups (one per request per decode step)
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, spec: SpecMethod | None = None):
+        self.model, self.config = model, config
+        self.spec = spec or NoSpec()
+        self.device = torch.device(config.device)
+        k = self.spec.num_draft_tokens
+        num_kv_heads, head_dim = model.kv_head_shape
+        num_blocks = config.num_kv_blocks or config.max_num_seqs * -(-(config.max_model_len + k + 1) // config.block_size)
+        self.kv_pool = KVPool(model.num_kv_layers, num_blocks, config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
+        num_linear, conv_shape, recurrent_shape = model.linear_state_shapes
+        self.state_pool = LinearStatePool(num_linear, config.max_num_seqs, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
+        self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k)
+        self.eos_ids = set(model.eos_token_ids)
+        self.stats = StepStats(accepted_per_position=[0] * k)
+        self._next_id = 0
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        if not prompt_token_ids:
+            from freetoken.errors import FreetokenError
+
+            raise FreetokenError("empty prompt")
+        request = Request(self._next_id, list(prompt_token_ids), params)
+        request.generator = sampling.make_generator(params, self._next_id, self.device, self.config.seed)
+        self._next_id += 1
+        self.scheduler.add(request)
+        return request
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], on_step: Callable[[list[Request]], None] | None = None) -> list[Request]:
+        """Run every prompt to completion; returns the requests in prompt order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        while self.scheduler.has_work:
+            finished = self.step()
+            if on_step is not None:
+                on_step(finished)
+        return requests
+
+    # -- one step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """Advance the engine by one forward; returns the requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        for request in scheduled.preempted:
+            self.spec.release(request)
+        self.stats.num_preemptions += len(scheduled.preempted)
+        if scheduled.prefill:
+            self._prefill(scheduled.prefill)
+            return []
+        if scheduled.decode:
+            return self._decode(scheduled.decode)
+        return []
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> None:
+        groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length]) for c in chunks]
+        ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
+        hidden = self.model(ctx)
+        committed = []
+        for chunk, seq in zip(chunks, ctx.seqs):
+            request = chunk.request
+            request.num_cached_tokens += chunk.length
+            tokens = request.token_ids
+            committed.append(CommittedRows(request, chunk.start, hidden[seq.rows], tokens[chunk.start + 1 : chunk.start + chunk.length + 1]))
+            self.stats.prefill_tokens += chunk.length
+        self.spec.observe(committed)
+
+    def _decode(self, requests: list[Request]) -> list[Request]:
+        k = self.spec.num_draft_tokens
+        proposal = self.spec.propose(requests)
+        drafts = proposal.tokens.tolist()
+        groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id] + d) for r, d in zip(requests, drafts)]
+        mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
+        ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
+        hidden = self.model(ctx)
+        logits = self.model.compute_logits(hidden).view(len(requests), k + 1, -1)
+        result = sampling.verify(
+            logits,
+            proposal.tokens.to(self.device),
+            proposal.probs,
+            [r.params for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.generator for r in requests],
+        )
+        accepted = result.accepted_len.tolist()
+        next_tokens = result.next_token.tolist()
+        if k > 0:
+            self.model.commit(ctx, [a + 1 for a in accepted])
+        self.stats.decode_steps += 1
+
+        finished: list[Request] = []
+        committed: list[CommittedRows] = []
+        for request, seq, draft, a, nxt in zip(requests, ctx.seqs, drafts, accepted, next_tokens):
+            start = request.num_cached_tokens
+            emitted = draft[:a] + [nxt]
+            kept, done = sampling.apply_stop(emitted, request.params, self.eos_ids, len(request.output_token_ids))
+            request.output_token_ids += kept
+            request.num_cached_tokens += a + 1
+            request.num_target_steps += 1
+            if k > 0:
+                request.accepted_lens.append(a)
+                self.stats.num_verifies += 1
+                for i in range(a):
+                    self.stats.accepted_per_position[i] += 1
+            self.stats.generated_tokens += len(kept)
+            if done or request.num_tokens >= self.config.max_model_len:
+                self.scheduler.finish(request, "stop" if done else "length")
+                self.spec.release(request)
+                finished.append(request)
+            else:
+                self.kv_pool.trim(request.block_table, request.num_cached_tokens)
+                committed.append(CommittedRows(request, start, hidden[seq.rows][: a + 1], emitted))
+        self.spec.observe(committed)
+        return finished

@@ -1,0 +1,56 @@
+"""Paged KV pool for the full-attention layers (target and draft) and its block allocator.
+
+Keys and values of every attention layer live in [num_blocks * block_size, Hkv, D] tensors; a
+request owns a list of blocks (its block table). Token p of a request sits in slot
+block_table[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from freetoken.forward_context import KVCache
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.cache = KVCache(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            block_size=block_size,
+        )
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
+        """How many more blocks a table needs to hold num_tokens tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(block_table))
+
+    def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
+        return self.blocks_needed(block_table, num_tokens) <= len(self.free_blocks)
+
+    def grow(self, block_table: list[int], num_tokens: int) -> None:
+        """Append blocks to block_table (in place) until it holds num_tokens tokens."""
+        for _ in range(self.blocks_needed(block_table, num_tokens)):
+            block_table.append(self.free_blocks.popleft())
+
+    def trim(self, block_table: list[int], num_tokens: int) -> None:
+        """Release the blocks past the first num_tokens tokens (in place)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(block_table) > keep:
+            self.free_blocks.append(block_table.pop())
+
+    def free(self, block_table: list[int]) -> None:
+        self.trim(block_table, 0)
+
+    def slots(self, block_table: list[int], start: int, stop: int) -> list[int]:
+        """Slots of token positions [start, stop)."""
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, stop)]

@@ -1,0 +1,31 @@
+"""Slot pool for Gated DeltaNet state: per running request, each linear-attention layer's conv
+window (the last K-1 raw inputs, model dtype) and recurrent state (fp32)."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.forward_context import LinearState
+
+
+class LinearStatePool:
+    def __init__(self, num_layers: int, num_slots: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str):
+        self.state = LinearState(
+            conv=torch.zeros((num_layers, num_slots, *conv_shape), dtype=dtype, device=device),
+            recurrent=torch.zeros((num_layers, num_slots, *recurrent_shape), dtype=torch.float32, device=device),
+        )
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    def allocate(self) -> int:
+        """A zeroed slot (the state of an empty prefix)."""
+        slot = self.free_slots.pop()
+        self.state.conv[:, slot].zero_()
+        self.state.recurrent[:, slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.free_slots.append(slot)

@@ -1,0 +1,139 @@
+"""Admits, runs and retires requests; preempts (recompute) when the KV pool runs out.
+
+A step is either a prefill step (chunks of prompts, at most max_num_batched_tokens rows) or a decode
+step (every running request past its prefill, k+1 rows each). Prefill comes first, as in
+nano-vllm. A decode step reserves KV for k+1 new rows per request; if the pool cannot hold them,
+the most recently admitted request is preempted: its blocks and state slot are freed and it is
+re-queued, to be recomputed later from its tokens. Recompute is exact because every op is
+row-invariant and the GDN recurrence is the same in prefill and decode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.linear_state_pool import LinearStatePool
+from freetoken.engine.request import Request, RequestStatus
+from freetoken.errors import FreetokenError
+
+
+@dataclass
+class PrefillChunk:
+    request: Request
+    start: int  # first position of the chunk
+    length: int
+
+
+@dataclass
+class ScheduledStep:
+    prefill: list[PrefillChunk]
+    decode: list[Request]
+    preempted: list[Request]
+
+
+class Scheduler:
+    def __init__(self, kv_pool: KVPool, state_pool: LinearStatePool | None, max_num_seqs: int, max_num_batched_tokens: int, num_draft_tokens: int):
+        self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.rows_per_decode = num_draft_tokens + 1
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        capacity = self.kv_pool.num_blocks * self.kv_pool.block_size
+        longest = len(request.prompt_token_ids) + request.params.max_new_tokens + self.rows_per_decode
+        if longest > capacity:
+            raise FreetokenError(f"request {request.request_id} needs up to {longest} KV slots but the pool holds {capacity}")
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        preempted: list[Request] = []
+        chunks = self._schedule_prefill()
+        if chunks:
+            return ScheduledStep(prefill=chunks, decode=[], preempted=preempted)
+        decode: list[Request] = []
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or request.in_prefill:
+                continue  # preempted while making room for an earlier request, or still prefilling
+            need = request.num_cached_tokens + self.rows_per_decode
+            while not self.kv_pool.can_grow(request.block_table, need):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                self.kv_pool.grow(request.block_table, need)
+                decode.append(request)
+        if not decode and self.running:
+            # Every running request is stuck mid-prefill on a full pool: free the newest one.
+            if len(self.running) == 1:
+                raise FreetokenError("the KV pool cannot hold a single request; raise --num-kv-blocks")
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+        return ScheduledStep(prefill=[], decode=decode, preempted=preempted)
+
+    def _schedule_prefill(self) -> list[PrefillChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[PrefillChunk] = []
+        for request in self.running:
+            if request.in_prefill and budget > 0:
+                chunk = self._chunk(request, budget)
+                if chunk is None:
+                    break
+                chunks.append(chunk)
+                budget -= chunk.length
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self.state_pool is not None and self.state_pool.num_free_slots == 0:
+                break
+            first = min(budget, request.num_prefill_tokens)
+            if not self.kv_pool.can_grow(request.block_table, max(first, 1) + self.rows_per_decode):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if self.state_pool is not None:
+                request.state_slot = self.state_pool.allocate()
+            self.running.append(request)
+            if request.in_prefill:
+                chunk = self._chunk(request, budget)
+                if chunk is not None:
+                    chunks.append(chunk)
+                    budget -= chunk.length
+        return chunks
+
+    def _chunk(self, request: Request, budget: int) -> PrefillChunk | None:
+        length = min(budget, request.num_prefill_tokens - request.num_cached_tokens)
+        end = request.num_cached_tokens + length
+        if not self.kv_pool.can_grow(request.block_table, end):
+            return None
+        self.kv_pool.grow(request.block_table, end)
+        return PrefillChunk(request, request.num_cached_tokens, length)
+
+    def preempt(self, request: Request) -> None:
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_cached_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _release(self, request: Request) -> None:
+        self.kv_pool.free(request.block_table)
+        if request.state_slot is not None and self.state_pool is not None:
+            self.state_pool.free(request.state_slot)
+        request.state_slot = None
+        if request in self.running:
+            self.running.remove(request)

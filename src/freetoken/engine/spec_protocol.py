@@ -1,0 +1,61 @@
+"""The one interface between the engine and a speculative-decoding method.
+
+Every decode step is a verify: each running request feeds k+1 rows (its last token and k drafts),
+the same k for every request. `none` is the method with k = 0, so there is one decode path. A
+method sees the target's committed rows through `observe` and proposes drafts through `propose`;
+it never touches the scheduler or the pools beyond the block tables it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from freetoken.engine.request import Request
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, k] int64 draft tokens
+    probs: torch.Tensor | None  # [B, k, V] draft distributions q, or None for deterministic drafts
+
+
+@dataclass
+class CommittedRows:
+    """Rows of one request that the target just committed (prefill chunk or accepted verify rows)."""
+
+    request: Request
+    first_position: int  # position of the first row
+    hidden: torch.Tensor  # [m, H] target post-norm hidden of those rows
+    next_token_ids: list[int]  # [m] the token that follows each row (x_{t+1})
+
+
+class SpecMethod(Protocol):
+    num_draft_tokens: int
+
+    def observe(self, rows: Sequence[CommittedRows]) -> None:
+        """Consume the target's committed rows: write draft caches and prepare the next proposal."""
+
+    def propose(self, requests: Sequence[Request]) -> Proposal:
+        """Return num_draft_tokens drafts per request (their KV blocks are already allocated)."""
+
+    def release(self, request: Request) -> None:
+        """Forget a request's draft state (finished or preempted)."""
+
+
+class NoSpec:
+    """Plain decoding: zero drafts."""
+
+    num_draft_tokens = 0
+
+    def observe(self, rows: Sequence[CommittedRows]) -> None:
+        """Nothing to draft."""
+
+    def propose(self, requests: Sequence[Request]) -> Proposal:
+        """An empty [B, 0] proposal."""
+        return Proposal(tokens=torch.zeros((len(requests), 0), dtype=torch.long), probs=None)
+
+    def release(self, request: Request) -> None:
+        """No state to drop."""

@@ -1,0 +1,73 @@
+"""What one model forward needs besides the token ids: where each sequence's rows are, where their
+KV lives, which linear-attention state slot they own, and whether that state may change.
+
+Built by the engine's runner for every step and passed explicitly down the layers (no globals).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill chunk or plain decode: linear-attention state advances in place
+    VERIFY = "verify"  # speculative verify: state is read only; rows are stashed for the commit replay
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """One sequence's share of a step."""
+
+    row_start: int  # first row of this sequence in the flat batch
+    num_rows: int  # rows this step (chunk length, 1 for decode, k+1 for verify)
+    num_cached_tokens: int  # tokens already in the KV cache before this step
+    block_table: torch.Tensor  # [max_blocks] int32, on the model's device
+    state_slot: int  # row of the linear-attention state pool
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row_start, self.row_start + self.num_rows)
+
+
+@dataclass
+class KVCache:
+    """Paged keys and values of every full-attention layer (draft layers appended after the target's)."""
+
+    k: list[torch.Tensor]  # per attention layer: [num_slots, Hkv, D]
+    v: list[torch.Tensor]
+    block_size: int
+
+
+@dataclass
+class LinearState:
+    """Gated DeltaNet state of every linear-attention layer, one slot per running request."""
+
+    conv: torch.Tensor  # [L_gdn, slots, K-1, C] raw pre-conv inputs, model dtype
+    recurrent: torch.Tensor  # [L_gdn, slots, Hv, Dk, Dv] fp32
+
+
+@dataclass
+class GDNStash:
+    """Per-row inputs of the recurrence saved during verify, replayed by the commit."""
+
+    conv_rows: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, C] raw pre-conv rows
+    q: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, Hv, Dk] fp32
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, Hv, Dv] fp32
+    g: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, Hv]
+    beta: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class ForwardContext:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    slot_mapping: torch.Tensor  # [N] int64: KV slot of each row
+    seqs: list[SeqRows]
+    kv: KVCache
+    linear_state: LinearState | None
+    stash: dict[int, GDNStash] = field(default_factory=dict)  # linear layer ordinal -> stash (VERIFY only)

@@ -1,0 +1,34 @@
+"""RMSNorm variants (reference): zero-centred (1 + w), plain (w), and gated (w * norm(x) * act(z)).
+
+Precision follows HF: normalise in fp32; the zero-centred form multiplies in fp32 and casts at the
+end, the gated form casts the normalised value first, then multiplies by w and by act(z) in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = norm(x) * (1 + w); x [..., D], weight [D]."""
+    return (_normalize(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * norm(x) (plain Qwen3 RMSNorm); x [..., D], weight [D]."""
+    return weight * _normalize(x, eps).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu") -> torch.Tensor:
+    """y = w * norm(x) * act(gate); x, gate [..., D], weight [D]."""
+    dtype = x.dtype
+    y = weight * _normalize(x, eps).to(dtype)
+    g = gate.float()
+    g = F.silu(g) if act == "silu" else torch.sigmoid(g)
+    return (y * g).to(dtype)

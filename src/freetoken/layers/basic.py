@@ -1,0 +1,70 @@
+"""Parameter holders with Hugging Face names (`.weight`), each calling one op in `kernels`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken import kernels
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T, no bias; row-invariant."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = _empty(out_features, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
+        return kernels.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int):
+        super().__init__()
+        self.weight = _empty(num_embeddings, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, H]
+        return self.weight[ids]
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """norm(x) * (1 + w); the stored weight is an offset from one."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = _empty(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.zc_rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """w * norm(x) * act(z), per value head (w is not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float, act: str = "silu"):
+        super().__init__()
+        self.weight = _empty(dim)
+        self.eps = eps
+        self.act = act
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return kernels.gated_rms_norm(x, gate, self.weight, self.eps, self.act)
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

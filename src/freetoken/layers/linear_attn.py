@@ -1,0 +1,99 @@
+"""The one Gated DeltaNet layer ("linear_attention").
+
+in_proj_qkv -> causal depthwise conv (+silu) -> q, k, v heads; beta = sigmoid(b),
+g = -exp(A_log) * softplus(a + dt_bias); the delta-rule recurrence with fp32 state; gated RMSNorm
+with z; out_proj. Value head j reads key head j // (Hv / Hk).
+
+State handling (DESIGN.md invariant 4): in EXTEND mode the conv window and recurrent state advance
+in place; in VERIFY mode they are only read (the recurrence runs on a scratch copy) and each row's
+inputs are stashed; `commit` replays the accepted rows through the same recurrence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken import kernels
+from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
+from freetoken.layers.basic import GatedRMSNorm, Linear, _empty
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int, eps: float, state_index: int, gate_act: str = "silu"):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.key_dim = num_k_heads * k_head_dim
+        self.conv_dim = 2 * self.key_dim + num_v_heads * v_head_dim
+        self.in_proj_qkv = Linear(hidden_size, self.conv_dim)
+        self.in_proj_z = Linear(hidden_size, num_v_heads * v_head_dim)
+        self.in_proj_b = Linear(hidden_size, num_v_heads)
+        self.in_proj_a = Linear(hidden_size, num_v_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _empty(self.conv_dim, 1, conv_kernel)
+        self.A_log = _empty(num_v_heads)
+        self.dt_bias = _empty(num_v_heads)
+        self.norm = GatedRMSNorm(v_head_dim, eps, gate_act)
+        self.out_proj = Linear(num_v_heads * v_head_dim, hidden_size)
+        self.state_index = state_index  # which slice of the linear-state pool this layer owns
+
+    def _recurrence_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+        """conv_out [T, C], a, b [T, Hv] -> q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv], all fp32."""
+        t = conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.conv_dim - 2 * self.key_dim], dim=-1)
+        repeat = self.num_v_heads // self.num_k_heads
+        q = _l2norm(q.reshape(t, self.num_k_heads, self.k_head_dim)).repeat_interleave(repeat, dim=1) * self.k_head_dim**-0.5
+        k = _l2norm(k.reshape(t, self.num_k_heads, self.k_head_dim)).repeat_interleave(repeat, dim=1)
+        v = v.reshape(t, self.num_v_heads, self.v_head_dim).float()
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v, g, beta
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
+        n = x.shape[0]
+        mixed_qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(n, self.num_v_heads, self.v_head_dim)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        conv_weight = self.conv1d.weight[:, 0, :]
+        state = ctx.linear_state
+        verify = ctx.mode is ForwardMode.VERIFY
+        stash = GDNStash() if verify else None
+        core = torch.empty(n, self.num_v_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
+        for seq in ctx.seqs:
+            rows = mixed_qkv[seq.rows]
+            window = state.conv[self.state_index, seq.state_slot]
+            conv_out, new_window = kernels.causal_conv1d(window, rows, conv_weight)
+            q, k, v, g, beta = self._recurrence_inputs(conv_out, a[seq.rows], b[seq.rows])
+            recurrent = state.recurrent[self.state_index, seq.state_slot]
+            if verify:
+                out = kernels.gdn_recurrent(recurrent.clone(), q, k, v, g, beta)
+                for name, value in (("conv_rows", rows), ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+                    getattr(stash, name).append(value)
+            else:
+                out = kernels.gdn_recurrent(recurrent, q, k, v, g, beta)
+                window.copy_(new_window)
+            core[seq.rows] = out.to(x.dtype)
+        if verify:
+            ctx.stash[self.state_index] = stash
+        y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
+        return self.out_proj(y)
+
+    def commit(self, ctx: ForwardContext, accepted_rows: list[int]) -> None:
+        """Fold the first accepted_rows[i] verify rows of each sequence into its live state."""
+        stash = ctx.stash[self.state_index]
+        state = ctx.linear_state
+        for i, (seq, n) in enumerate(zip(ctx.seqs, accepted_rows)):
+            if n == 0:
+                continue
+            recurrent = state.recurrent[self.state_index, seq.state_slot]
+            kernels.gdn_recurrent(recurrent, stash.q[i][:n], stash.k[i][:n], stash.v[i][:n], stash.g[i][:n], stash.beta[i][:n], compute_output=False)
+            window = state.conv[self.state_index, seq.state_slot]
+            full = torch.cat([window, stash.conv_rows[i][:n].to(window.dtype)], dim=0)
+            window.copy_(full[n:])

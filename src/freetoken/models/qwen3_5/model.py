@@ -1,0 +1,126 @@
+"""Qwen3.5 dense and MoE text model over the paged runtime.
+
+Parameter names are the canonical (Hugging Face text-model) names, so loading is a name-for-name
+copy. Layer i mixes with Gated DeltaNet or gated attention (config.layer_types), then a dense MLP or
+the sparse MoE block; the final zero-centred norm gives the hidden state that feeds lm_head and the
+MTP head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.forward_context import ForwardContext
+from freetoken.layers.attention import GatedAttention
+from freetoken.layers.basic import MLP, Embedding, Linear, ZeroCenteredRMSNorm
+from freetoken.layers.linear_attn import GatedDeltaNet
+from freetoken.layers.moe import SparseMoE
+from freetoken.models.qwen3_5.config import Qwen35Config
+
+
+def make_mlp(cfg: Qwen35Config) -> nn.Module:
+    if cfg.is_moe:
+        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+def make_attention(cfg: Qwen35Config, kv_index: int) -> GatedAttention:
+    return GatedAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps, kv_index)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, layer_type: str, mixer_index: int):
+        super().__init__()
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if layer_type == "full_attention":
+            self.self_attn = make_attention(cfg, mixer_index)
+        else:
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, mixer_index,
+            )
+        self.mlp = make_mlp(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
+        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+        x = x + mixer(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, cfg: Qwen35Config):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        attn_ids = {layer: i for i, layer in enumerate(cfg.full_attention_layers)}
+        gdn_ids = {layer: i for i, layer in enumerate(cfg.linear_attention_layers)}
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, kind, attn_ids.get(i, gdn_ids.get(i))) for i, kind in enumerate(cfg.layer_types)
+        )
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen35ForCausalLM(nn.Module):
+    """The target: forward() -> post-norm hidden states, compute_logits() -> fp32 logits."""
+
+    def __init__(self, cfg: Qwen35Config, with_mtp: bool):
+        super().__init__()
+        from freetoken.models.qwen3_5.mtp import Qwen35MTP
+
+        self.config = cfg
+        self.model = Qwen35Model(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = Qwen35MTP(cfg, self, kv_index=len(cfg.full_attention_layers)) if with_mtp else None
+
+    # -- what the runtime needs to size its pools -------------------------------------------------
+    @property
+    def num_kv_layers(self) -> int:
+        """Full-attention layers holding paged KV, draft layers included."""
+        return len(self.config.full_attention_layers) + (len(self.mtp.layers) if self.mtp is not None else 0)
+
+    @property
+    def kv_head_shape(self) -> tuple[int, int]:
+        return self.config.num_key_value_heads, self.config.head_dim
+
+    @property
+    def linear_state_shapes(self) -> tuple[int, tuple[int, int], tuple[int, int, int]]:
+        """(number of GDN layers, conv window [K-1, C], recurrent state [Hv, Dk, Dv])."""
+        cfg = self.config
+        return (
+            len(cfg.linear_attention_layers),
+            (cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
+            (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+        )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def draft_network(self, name: str):
+        """The family's own draft network for a spec method, or None if the checkpoint has none."""
+        return self.mtp if name == "mtp" else None
+
+    # -- compute -------------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, H]
+        return self.model.embed_tokens(ids)
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """Run the rows of ctx through the trunk -> post-norm hidden [N, H]."""
+        x = self.embed(ctx.input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        from freetoken import kernels
+
+        return kernels.linear(hidden, weight).float()
+
+    def commit(self, ctx: ForwardContext, accepted_rows: list[int]) -> None:
+        """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN state."""
+        for layer in self.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.commit(ctx, accepted_rows)

@@ -1,0 +1,45 @@
+"""The Qwen3.5 MTP draft network (architectures.md §5.1).
+
+    u  = fc(concat[zc_norm_e(embed(x_{t+1})), zc_norm_h(h_t)])     embedding half first
+    u  = one full-attention decoder layer (dense MLP or MoE, like the trunk)
+    h' = zc_norm(mtp.norm)(u);  draft logits = lm_head(h')
+
+h_t is the target's post-final-norm hidden. The layer has its own paged KV (an extra KV layer of the
+pool, indexed by the target position t of the pair) and is reused for every chained step, whose
+hidden input is the previous step's h'. Embeddings and lm_head are the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.forward_context import ForwardContext
+from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
+from freetoken.models.qwen3_5.config import Qwen35Config
+
+
+class Qwen35MTP(nn.Module):
+    def __init__(self, cfg: Qwen35Config, target: nn.Module, kv_index: int):
+        super().__init__()
+        from freetoken.models.qwen3_5.model import DecoderLayer
+
+        h = cfg.hidden_size
+        self.fc = Linear(2 * h, h)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", kv_index)])
+        self.norm = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps)
+        self._target = [target]  # a plain list: the target is not a submodule of its own head
+
+    def forward(self, ctx: ForwardContext, hidden: torch.Tensor) -> torch.Tensor:
+        """ctx.input_ids [N] = x_{t+1}, hidden [N, H] = h_t, ctx.positions = t -> h' [N, H] after mtp.norm."""
+        target = self._target[0]
+        e = self.pre_fc_norm_embedding(target.embed(ctx.input_ids))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
+        return self._target[0].compute_logits(hidden)
