@@ -1,0 +1,165 @@
+"""`freetoken inspect PATH`: what a checkpoint holds, as one table.
+
+Works on unified checkpoints, Hugging Face checkpoint directories (or cached repo ids) and GGUF
+files. Each kind has a small function returning (field, value) rows; only headers and metadata
+are read, never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Rows = list[tuple[str, str]]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return ""
+
+
+def _shape(shapes: dict[str, list[int]], name: str) -> str:
+    return "x".join(map(str, shapes[name])) if name in shapes else "-"
+
+
+def _config_rows(cfg, shapes: dict[str, list[int]]) -> Rows:
+    """Rows shared by unified and HF checkpoints of the Qwen3.5 family (`cfg` is a Qwen35Config)."""
+    n_lin, n_full = len(cfg.linear_attention_layers), len(cfg.full_attention_layers)
+    if cfg.is_moe:
+        mlp = f"MoE: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, expert {cfg.moe_intermediate_size}, shared {cfg.shared_expert_intermediate_size}"
+    else:
+        mlp = f"dense: intermediate {cfg.intermediate_size}"
+    rows = [
+        ("model type", cfg.model_type),
+        ("layers", f"{cfg.num_hidden_layers} ({n_lin} linear attention, {n_full} full attention)"),
+        ("hidden / vocab", f"{cfg.hidden_size} / {cfg.vocab_size}"),
+        ("attention heads / kv / head_dim", f"{cfg.num_attention_heads} / {cfg.num_key_value_heads} / {cfg.head_dim}"),
+        ("GDN k / v heads x dim", f"{cfg.linear_num_key_heads} / {cfg.linear_num_value_heads} x {cfg.linear_key_head_dim}"),
+        ("MLP", mlp),
+        ("tied embeddings", str(cfg.tie_word_embeddings)),
+        ("embed_tokens", _shape(shapes, "model.embed_tokens.weight")),
+        ("lm_head", "tied" if cfg.tie_word_embeddings else _shape(shapes, "lm_head.weight")),
+    ]
+    if cfg.is_moe:
+        rows.append(("experts.gate_up_proj", _shape(shapes, "model.layers.0.mlp.experts.gate_up_proj")))
+    return rows
+
+
+def _unified_rows(path: Path) -> Rows:
+    from freetoken.checkpoint import UnifiedCheckpoint
+    from freetoken.models.qwen3_5.config import Qwen35Config
+
+    ck = UnifiedCheckpoint.open(path)
+    m = ck.manifest
+    shapes = {n: info["shape"] for n, info in m.tensors.items()}
+    dtypes = Counter(info["dtype"] for info in m.tensors.values())
+    rows: Rows = [("format", "freetoken unified checkpoint"), ("family", m.family)]
+    if m.family == "qwen3_5":
+        rows += _config_rows(Qwen35Config.from_dict(m.config), shapes)
+    heads = ", ".join(f"{k} ({', '.join(f'{a}={b}' for a, b in v.items())})" for k, v in m.draft_heads.items()) or "none"
+    rows += [
+        ("draft heads", heads),
+        ("vision tower", "yes" if any(n.startswith("model.visual.") for n in shapes) else "no"),
+        ("tensors", f"{len(shapes)} in {len({i['shard'] for i in m.tensors.values()})} shard(s); " + ", ".join(f"{d} x{c}" for d, c in dtypes.items())),
+        ("tokenizer", m.tokenizer.get("file") or "none"),
+        ("converter", f"{m.provenance.converter} (freetoken {m.provenance.freetoken_version})"),
+        ("sources", "\n".join(f"{Path(s.path).name} sha256:{s.sha256[:12]}" for s in m.provenance.sources) or "-"),
+        ("transforms", "\n".join(m.provenance.transforms) or "none"),
+        ("size on disk", _size(ck.size_on_disk)),
+    ]
+    return rows
+
+
+def _hf_rows(path: Path) -> Rows:
+    from freetoken.checkpoint import read_safetensors_header
+    from freetoken.errors import CheckpointError, UnsupportedModelError
+    from freetoken.models.qwen3_5.config import Qwen35Config
+    from freetoken.models.qwen3_5.weights import canonical_name
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise CheckpointError(f"unreadable config.json ({e})", path / "config.json") from None
+    try:
+        cfg = Qwen35Config.from_hf(raw)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(str(e), path / "config.json") from None
+    files = sorted(path.glob("*.safetensors"))
+    headers = {n: i for f in files for n, i in read_safetensors_header(f).items()}
+    shapes = {canonical_name(n): i["shape"] for n, i in headers.items()}
+    has_mtp = any(n.startswith("mtp.") for n in shapes)
+    per_expert = any(".experts.0." in n for n in shapes)
+    rows: Rows = [("format", "Hugging Face safetensors"), ("architecture", ", ".join(raw.get("architectures") or ["?"]))]
+    rows += _config_rows(cfg, shapes)
+    rows += [
+        ("draft heads", f"mtp (layers: {cfg.mtp_num_hidden_layers or 1})" if has_mtp else "none"),
+        ("vision tower", "yes" if any(n.startswith("model.visual.") for n in shapes) else "no"),
+        ("expert layout", "per-expert" if per_expert else ("fused" if cfg.is_moe else "-")),
+        ("tensors", f"{len(headers)} in {len(files)} file(s); " + ", ".join(f"{d} x{c}" for d, c in Counter(i["dtype"] for i in headers.values()).items())),
+        ("size on disk", _size(sum(f.stat().st_size for f in path.iterdir() if f.is_file()))),
+    ]
+    return rows
+
+
+def _gguf_rows(path: Path) -> Rows:
+    try:
+        from freetoken.converters.gguf import describe_gguf
+    except ImportError:
+        describe_gguf = None
+    if describe_gguf is not None:
+        return [("format", "GGUF")] + [(str(k), str(v)) for k, v in describe_gguf(path).items()]
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else None
+
+    arch = field("general.architecture")
+    quants = Counter(t.tensor_type.name for t in reader.tensors)
+    return [
+        ("format", f"GGUF v{field('GGUF.version')}"),
+        ("architecture", str(arch)),
+        ("block_count", str(field(f"{arch}.block_count"))),
+        ("nextn_predict_layers", str(field(f"{arch}.nextn_predict_layers") or 0)),
+        ("experts", str(field(f"{arch}.expert_count") or "dense")),
+        ("tensor types", ", ".join(f"{q} x{c}" for q, c in quants.most_common())),
+        ("tensors", str(len(reader.tensors))),
+        ("size on disk", _size(path.stat().st_size)),
+    ]
+
+
+def inspect(
+    path: Annotated[str, typer.Argument(help="Unified checkpoint, HF checkpoint directory (or cached repo id), or .gguf file.")],
+) -> None:
+    """Show what a checkpoint holds: family, layer mix, shapes, draft heads, provenance, size."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from freetoken.converters.detect import detect_format, resolve_source
+
+    resolved = resolve_source(path)
+    fmt = detect_format(resolved)
+    if fmt == "unified":
+        rows = _unified_rows(resolved)
+    elif fmt == "gguf":
+        rows = _gguf_rows(resolved)
+    elif fmt == "hf":
+        rows = _hf_rows(resolved)
+    else:
+        config = json.loads((resolved / "config.json").read_text())
+        rows = [("format", "DFlash draft"), ("architecture", ", ".join(config.get("architectures", [])))]
+    table = Table(title=str(path), show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
