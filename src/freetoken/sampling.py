@@ -99,19 +99,14 @@ def _penalize(logits: Tensor, params: Sequence[SamplingParams], histories: Seque
     rows = [r for r, p in enumerate(params) if p.has_penalties]
     if not rows:
         return
-    R, V = len(rows), logits.shape[1]
-    max_len = max((len(histories[r]) for r in rows), default=0)
-    if max_len == 0:
+    lengths = [len(histories[r]) for r in rows]
+    if sum(lengths) == 0:
         return
     dev = logits.device
-    ids = torch.zeros(R, max_len, dtype=torch.int64)
-    valid = torch.zeros(R, max_len, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        h = list(histories[r])
-        ids[i, : len(h)] = torch.tensor(h, dtype=torch.int64)
-        valid[i, : len(h)] = 1.0
-    counts = torch.zeros(R, V, dtype=torch.float32, device=dev)  # [R, V]
-    counts.scatter_add_(1, ids.to(dev), valid.to(dev))
+    flat = torch.tensor([t for r in rows for t in histories[r]], dtype=torch.int64, device=dev)
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(lengths, device=dev))
+    counts = torch.zeros(len(rows), logits.shape[1], dtype=torch.float32, device=dev)  # [R', V]
+    counts.index_put_((row_of, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
     freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=torch.float32, device=dev)
     pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=torch.float32, device=dev)
     index = torch.tensor(rows, dtype=torch.int64, device=dev)
