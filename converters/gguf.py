@@ -494,7 +494,7 @@ def convert_gguf(
     target = open_gguf(src)
     if target.arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"unsupported GGUF architecture {target.arch!r} (supported: {', '.join(ARCHITECTURES)})", src)
-    if target.nextn > 0 and not target.has_mtp_block and "blk.0.attn_norm.weight" not in target.tensors:
+    if target.nextn > 0 and "blk.0.attn_norm.weight" not in target.tensors:
         raise FreetokenError("this is an MTP-only head, not a target; pass it as --mtp next to its target GGUF", src)
     head_path = Path(mtp) if mtp is not None else (None if target.has_mtp_block else find_mtp_sidecar(src))
     head = open_gguf(head_path) if head_path is not None else None
