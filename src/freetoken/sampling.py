@@ -48,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # lists from JSON stay hashable
         if not self.temperature >= 0:
             raise FreetokenError(f"sampling: temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -243,7 +244,7 @@ def verify(
     Greedy requests accept while the draft equals the argmax and emit the argmax of the first
     mismatching row (or of row k: the bonus). Sampled requests accept d_i with probability
     min(1, p_i(d_i) / q_i(d_i)), emit a draw from norm(max(0, p_i - q_i)) at the first rejection,
-    or a bonus draw from p_k when all k are accepted.
+    or a bonus draw from row k's p when all k are accepted.
     """
     B, k1, V = target_logits.shape
     k = k1 - 1
