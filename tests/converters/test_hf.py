@@ -197,8 +197,9 @@ def test_sharded_with_index(tmp_path):
 
 
 def test_repo_id_not_in_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     with pytest.raises(CheckpointError, match="nobody-xyz/not-a-model: .*not a repo id in the local Hugging Face cache"):
         convert_hf("nobody-xyz/not-a-model", tmp_path / "out")
     assert not (tmp_path / "out").exists()
