@@ -42,7 +42,7 @@ def hash_file(path: str | Path, chunk: int = 1 << 24) -> SourceFile:
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
-    return SourceFile(path=str(path.resolve()), sha256=digest.hexdigest(), size=path.stat().st_size)
+    return SourceFile(path=str(path.absolute()), sha256=digest.hexdigest(), size=path.stat().st_size)
 
 
 @dataclass(frozen=True)
