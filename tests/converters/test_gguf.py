@@ -293,3 +293,32 @@ def test_mtp_only_file_as_target_and_existing_output(tmp_path):
     with pytest.raises(OutputExistsError):
         convert_gguf(gguf_path("qwen35_dense", "f32"), tmp_path / "out")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_reads_tensor_types_gguf_py_does_not_know(tmp_path):
+    """A Q2_0 (type 42) tensor in a file: gguf 0.19 cannot parse the type, our table reads it.
+
+    Built by relabelling the Q8_0 `output.weight` [1024, 64] as Q2_0: its first 1024 * 18 bytes
+    are then read as Q2_0 blocks; the oracle decodes those bytes per the documented layout.
+    """
+    from freetoken.converters.gguf import open_gguf
+
+    src = gguf_path("qwen35_dense", "q8_0")
+    data = bytearray(src.read_bytes())
+    name = b"output.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name + (2).to_bytes(4, "little"))
+    type_at = at + 8 + len(name) + 4 + 16
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == 8  # Q8_0
+    data[type_at : type_at + 4] = (42).to_bytes(4, "little")
+    bad = tmp_path / "q2.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError):
+        gguf.GGUFReader(bad)  # gguf-py itself rejects the type id
+    g = open_gguf(bad)
+    t = g.tensors["output.weight"]
+    assert t.type_id == 42 and t.shape == (1024, 64) and t.nbytes == 1024 * 18
+    raw = np.frombuffer(bytes(data[t.offset : t.offset + t.nbytes]), dtype=np.uint8).reshape(-1, 18)
+    d = raw[:, :2].copy().view(np.float16).astype(np.float32)  # [N, 1]
+    codes = (raw[:, 2:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3  # [N, 16, 4]: element j = byte j//4, bits 2*(j%4)
+    want = ((codes.reshape(-1, 64).astype(np.float32) - 1) * d).reshape(1024, 64)
+    assert np.array_equal(g.load("output.weight").numpy(), want, equal_nan=True)  # misaligned bytes: some d are NaN
