@@ -143,7 +143,7 @@ class TrainConfig:
 
 SMOKE_MODEL = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, eos_token_id=509)
-SMOKE_TRAIN = TrainConfig(tokenizer_vocab=512, max_train_files=24, seq_len=64, batch_size=2, steps=4, lr=3e-3,
+SMOKE_TRAIN = TrainConfig(tokenizer_vocab=512, max_train_files=12, seq_len=64, batch_size=2, steps=4, lr=3e-3,
                           warmup_steps=1, log_every=1, eval_windows=2, eval_prompts=4, eval_new_tokens=8)
 
 # ------------------------------------------------------------------------------------------ corpus
@@ -316,7 +316,7 @@ def chunked_gated_delta(q, k, v, g, beta, chunk: int = 64) -> torch.Tensor:
     G = g @ tril.float().T  # in-chunk cumulative log decay, as a matmul (deterministic on every device)
     decay = torch.where(tril, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [.., C, C] e^{G_i - G_j}, j <= i
     kb = k * beta[..., None]
-    A = ((kb @ k.transpose(-1, -2)) * decay).masked_fill(tril, 0.0)  # strictly lower: beta_i e^{Gi-Gj} k_i.k_j
+    A = ((kb @ k.transpose(-1, -2)) * decay).tril(-1)  # strictly lower: beta_i e^{Gi-Gj} k_i.k_j
     L = A + torch.eye(chunk, device=q.device)
     sol = torch.linalg.solve_triangular(L, torch.cat([v * beta[..., None], kb * G.exp()[..., None]], -1), upper=False)
     u, w = sol.split([dv, dk], -1)  # delta = u - w S_0 within each chunk
@@ -555,13 +555,32 @@ def eval_heldout(m: Qwen35Demo, stream: torch.Tensor, t: TrainConfig, device, am
 
 
 @torch.no_grad()
+def mtp_chain(m: Qwen35Demo, seq: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Greedy chained MTP drafts from every position of seq [B, T]: k tensors [B, T-1]; drafts[j][:, t]
+    guesses token t+2+j. Step 1 reads the pair (h_t, x_{t+1}); step j+1 reads (h' of step j, its draft).
+    Each step attends to the true pairs 0..t and to the same chain's earlier steps, as with a KV cache."""
+    h = m(seq)
+    hm, (key, val) = m.mtp_forward(h[:, :-1], seq[:, 1:])  # true pairs t = 0..T-2 at positions 1..T-1
+    drafts, keys, vals = [m.logits(hm).argmax(-1)], [key], [val]
+    n = seq.shape[1] - 1
+    causal = torch.ones(n, n, dtype=torch.bool, device=seq.device).tril()
+    own = torch.eye(n, dtype=torch.bool, device=seq.device)
+    for j in range(1, k):
+        mask = torch.cat([causal] + [own] * j, 1)  # [n, n * (j + 1)]
+        hm, (key, val) = m.mtp_forward(hm, drafts[-1], (torch.cat(keys, 2), torch.cat(vals, 2)), mask, start=1 + j)
+        drafts.append(m.logits(hm).argmax(-1))
+        keys.append(key)
+        vals.append(val)
+    return drafts
+
+
+@torch.no_grad()
 def eval_acceptance(m: Qwen35Demo, prompt_ids: list[list[int]], t: TrainConfig, device, amp) -> dict[str, float]:
     """Greedy MTP acceptance on the held-out prompts, simulated exactly from one pass over the target's
     own greedy continuation. Prompts are cut to their common token length so they batch.
 
-    For every position t the chain drafts d1 = MTP(h_t, x_{t+1}), d_{j+1} = MTP(h'_j, d_j); the MTP
-    layer attends to the true pairs 0..t and to its own earlier chain steps. Verify rounds then walk
-    the continuation: a round at t accepts the leading drafts equal to the target's tokens, plus one.
+    Drafts come from `mtp_chain`; verify rounds then walk the continuation: a round at t accepts the
+    leading drafts equal to the target's tokens, plus one bonus token.
     """
     P = min(len(p) for p in prompt_ids)
     seq = torch.tensor([p[:P] for p in prompt_ids], device=device)
@@ -571,19 +590,7 @@ def eval_acceptance(m: Qwen35Demo, prompt_ids: list[list[int]], t: TrainConfig, 
         seq = torch.cat([seq, nxt], 1)
     T, k = seq.shape[1], t.draft_k
     with amp():
-        h = m(seq)
-        hm, kv = m.mtp_forward(h[:, :-1], seq[:, 1:])  # true pairs t = 0..T-2
-        drafts, keys, vals = [m.logits(hm).argmax(-1)], [kv[0]], [kv[1]]
-        n = T - 1
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        for j in range(1, k):
-            own = [torch.eye(n, dtype=torch.bool, device=device)] * j
-            mask = torch.cat([causal] + own, 1)  # true pairs s <= t, then this chain's earlier steps
-            prefix = (torch.cat(keys, 2), torch.cat(vals, 2))
-            hm, kv = m.mtp_forward(hm, drafts[-1], prefix, mask, start=1 + j)
-            drafts.append(m.logits(hm).argmax(-1))
-            keys.append(kv[0])
-            vals.append(kv[1])
+        drafts = mtp_chain(m, seq, k)
     match = torch.stack([drafts[j][:, : T - 1 - k] == seq[:, 2 + j: 1 + j + T - k] for j in range(k)], -1)  # [B, t, k]
     res = {}
     for kk in (1, k):
