@@ -19,9 +19,10 @@ from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.request import Request, RequestStatus
 from freetoken.engine.runner import RowGroup, build_context
 from freetoken.engine.scheduler import PrefillChunk, Scheduler
-from freetoken.engine.spec_protocol import CommittedRows, NoSpec, SpecMethod
+from freetoken.engine.spec_protocol import CommittedRows, SpecMethod
 from freetoken.forward_context import ForwardMode
 from freetoken.sampling import SamplingParams
+from freetoken.spec import spec_method_class
 
 
 @dataclass
@@ -35,16 +36,16 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, spec: SpecMethod | None = None):
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, origin: str | None = None):
         self.model, self.config = model, config
-        self.spec = spec or NoSpec()
         self.device = torch.device(config.device)
-        k = self.spec.num_draft_tokens
+        k = config.num_draft_tokens
         num_kv_heads, head_dim = model.kv_head_shape
         num_blocks = config.num_kv_blocks or config.max_num_seqs * -(-(config.max_model_len + k + 1) // config.block_size)
         self.kv_pool = KVPool(model.num_kv_layers, num_blocks, config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
         num_linear, conv_shape, recurrent_shape = model.linear_state_shapes
         self.state_pool = LinearStatePool(num_linear, config.max_num_seqs, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
+        self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)

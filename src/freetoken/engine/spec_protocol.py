@@ -50,6 +50,9 @@ class NoSpec:
 
     num_draft_tokens = 0
 
+    def __init__(self, model=None, kv_pool=None, num_draft_tokens: int = 0, device=None, origin: str | None = None):
+        assert num_draft_tokens == 0
+
     def observe(self, rows: Sequence[CommittedRows]) -> None:
         """Nothing to draft."""
 

@@ -1,0 +1,53 @@
+"""The `freetoken` command line: one module per command, registered here.
+
+Commands import torch and the runtime inside their bodies, so `freetoken --help` stays fast.
+`main()` turns a FreetokenError into one line on stderr and exit code 1; anything else is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from freetoken.cli.convert import convert
+from freetoken.cli.generate import generate
+from freetoken.cli.inspect import inspect
+from freetoken.cli.parity import parity
+from freetoken.errors import FreetokenError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+@app.callback()
+def _root() -> None:
+    """Unified Qwen-family checkpoints and offline batch generation with lossless speculative decoding."""
+
+
+app.command()(convert)
+app.command()(inspect)
+app.command()(generate)
+app.command()(parity)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except FreetokenError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise

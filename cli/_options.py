@@ -1,0 +1,34 @@
+"""Options shared by several commands, as Annotated aliases, and the rich console."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+class Spec(str, Enum):
+    none = "none"
+    mtp = "mtp"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+ModelArg = Annotated[Optional[str], typer.Argument(help="Unified checkpoint, HF checkpoint (dir or cached repo id) or GGUF file; omit for the embedded default model.", show_default=False)]
+PromptOpt = Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")]
+PromptsFileOpt = Annotated[Optional[Path], typer.Option("--prompts", help="Prompts file: .jsonl ({\"prompt\": ...} per line) or .txt (one per line).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Compute dtype.")]
+MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate per prompt.")]
+NumDraftOpt = Annotated[int, typer.Option("--num-draft-tokens", "-k", min=1, help="Drafts per verify step (k).")]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Requests running at once.")]
+ThreadsOpt = Annotated[int, typer.Option("--threads", min=1, help="CPU threads for torch (1 is fastest for small models).")]

@@ -1,0 +1,106 @@
+"""`freetoken generate [MODEL]`: offline batch generation with progress and a summary table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from freetoken.cli._options import (
+    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, ThreadsOpt, console,
+)
+
+DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def __init__(self):"]
+
+
+def generate(
+    model: ModelArg = None,
+    prompt: PromptOpt = None,
+    prompts: PromptsFileOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write completions as JSONL here.")] = None,
+    spec: Annotated[Spec, typer.Option("--spec", help="Speculative decoding method.")] = Spec.none,
+    num_draft_tokens: Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, help="Drafts per verify step (default 3 with --spec mtp).")] = None,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 1.0,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Run seed; each request draws from its own stream.")] = 0,
+    batch_size: BatchSizeOpt = 16,
+    device: DeviceOpt = "cpu",
+    dtype: DTypeOpt = DType.float32,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the checkpoint's chat template.")] = False,
+    threads: ThreadsOpt = 1,
+) -> None:
+    """Generate completions for a batch of prompts."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from freetoken.cli.prompts import read_prompts
+    from freetoken.engine.config import EngineConfig
+    from freetoken.llm import LLM
+    from freetoken.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    texts = read_prompts(prompt, prompts, default=DEFAULT_PROMPTS)
+    k = (num_draft_tokens or 3) if spec is Spec.mtp else 0
+    if spec is Spec.none and num_draft_tokens:
+        from freetoken.errors import FreetokenError
+
+        raise FreetokenError("--num-draft-tokens needs --spec mtp")
+    config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, spec=spec.value, num_draft_tokens=k, seed=seed,
+                          max_model_len=8192)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+    llm = LLM(model, config)
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("generate", total=len(texts))
+        completions, stats = llm.generate(texts, params, chat=chat, on_step=lambda done: bar.advance(task, len(done)))
+
+    if out is not None:
+        _write_jsonl(out, completions)
+    else:
+        for c in completions:
+            typer.echo(json.dumps({"prompt": c.prompt, "completion": c.text}, ensure_ascii=False))
+    console.print(summary_table(stats))
+
+
+def _write_jsonl(path: Path, completions) -> None:
+    """Write atomically: a failed run leaves no half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for c in completions:
+            record = {
+                "prompt": c.prompt,
+                "completion": c.text,
+                "prompt_tokens": len(c.prompt_token_ids),
+                "completion_tokens": len(c.token_ids),
+                "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+            }
+            if c.accepted_lens:
+                record["accepted_lens"] = c.accepted_lens
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def summary_table(stats):
+    from rich.table import Table
+
+    table = Table(title="freetoken generate", show_header=False)
+    table.add_row("requests", str(stats.num_requests))
+    table.add_row("prompt tokens", str(stats.prompt_tokens))
+    table.add_row("generated tokens", str(stats.generated_tokens))
+    table.add_row("wall time", f"{stats.seconds:.2f} s")
+    table.add_row("generated tokens/s", f"{stats.tokens_per_second:.1f}")
+    table.add_row("target steps", str(stats.decode_steps))
+    if stats.num_preemptions:
+        table.add_row("preemptions", str(stats.num_preemptions))
+    if stats.num_draft_tokens:
+        table.add_row("draft tokens (k)", str(stats.num_draft_tokens))
+        table.add_row("acceptance per position", "  ".join(f"{a:.3f}" for a in stats.acceptance_per_position))
+        table.add_row("mean accepted length", f"{stats.mean_accepted_len:.3f} tokens / target step")
+    return table

@@ -1,0 +1,88 @@
+"""`freetoken parity [MODEL] --spec mtp`: greedy with vs without speculative decoding, token by token.
+
+Exits 1 on any mismatch and shows the first divergence. Meant for CI.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, ThreadsOpt, console
+from freetoken.cli.generate import DEFAULT_PROMPTS
+
+PARITY_PROMPTS = DEFAULT_PROMPTS + [
+    "import json", "for i in range(10):", "    return self", "def main():\n    args = parse_args()",
+    "class Node:", "from collections import defaultdict\n\n", "if __name__ == '__main__':", "x = [",
+]
+
+
+def parity(
+    model: ModelArg = None,
+    spec: Annotated[Spec, typer.Option("--spec", help="Speculative decoding method to check.")] = Spec.mtp,
+    prompt: PromptOpt = None,
+    prompts: PromptsFileOpt = None,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    num_draft_tokens: Annotated[list[int], typer.Option("--num-draft-tokens", "-k", min=1, help="k values to check (repeatable).")] = [3],  # noqa: B006
+    dtype: DTypeOpt = DType.float32,
+    device: DeviceOpt = "cpu",
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 16,
+    against: Annotated[str, typer.Option("--against", help="'none' (spec vs no-spec) or 'hf' (greedy vs transformers).")] = "none",
+    json_report: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
+    threads: ThreadsOpt = 1,
+) -> None:
+    """Check that speculative decoding leaves greedy outputs unchanged."""
+    import torch
+    from rich.table import Table
+
+    from freetoken.cli.prompts import read_prompts
+    from freetoken.engine.config import EngineConfig
+    from freetoken.errors import FreetokenError
+    from freetoken.llm import LLM
+
+    torch.set_num_threads(threads)
+    texts = read_prompts(prompt, prompts, default=PARITY_PROMPTS)
+    if spec is Spec.none and against != "hf":
+        raise FreetokenError("parity needs a spec method (--spec mtp) or --against hf")
+    config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, spec=spec.value, num_draft_tokens=max(num_draft_tokens), max_model_len=8192)
+    llm = LLM(model, config)
+    ids = [llm.encode(t) for t in texts]
+    results = []
+    if against == "hf":
+        from freetoken.parity_hf import compare_with_hf
+
+        results.append(("hf", compare_with_hf(llm, ids, max_new_tokens)))
+    elif against == "none":
+        from freetoken.parity import compare_greedy
+
+        for k in num_draft_tokens:
+            results.append((f"k={k}", compare_greedy(llm, ids, max_new_tokens, k, spec.value)))
+    else:
+        raise FreetokenError(f"--against must be 'none' or 'hf', not {against!r}")
+
+    table = Table(title=f"freetoken parity ({dtype.value}, {device})")
+    for col in ("run", "prompts", "tokens", "identical", "accept/pos", "mean accepted len", "result"):
+        table.add_column(col)
+    for name, report in results:
+        table.add_row(
+            name, str(report.num_prompts), str(report.num_tokens),
+            f"{sum(report.per_prompt_match)}/{report.num_prompts}",
+            " ".join(f"{a:.2f}" for a in report.acceptance_per_position) or "-",
+            f"{report.mean_accepted_len:.2f}", "[green]PASS[/]" if report.passed else "[red]FAIL[/]",
+        )
+    console.print(table)
+    failed = [(name, r) for name, r in results if not r.passed]
+    for name, report in failed:
+        d = report.first_divergence
+        margin = f"{d.top2_margin:.3g}" if d.top2_margin is not None else "n/a"
+        console.print(
+            f"[red]{name}: first divergence[/] prompt {d.prompt_index} ({texts[d.prompt_index][:40]!r}), "
+            f"generated position {d.position}: expected token {d.expected}, got {d.actual}; target top-2 logit margin {margin}"
+        )
+    if json_report is not None:
+        json_report.write_text(json.dumps({name: r.to_dict() for name, r in results}, indent=2))
+    if failed:
+        raise typer.Exit(1)

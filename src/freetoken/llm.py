@@ -1,0 +1,160 @@
+"""The Python entry point: a model path in, completions out.
+
+`LLM(model)` accepts a unified checkpoint, a Hugging Face checkpoint or a GGUF file (converted once
+into the cache directory, `FREETOKEN_CACHE` or ~/.cache/freetoken), or None for the small model that
+ships inside the package. It loads the target (and its draft head when a spec method asks for it),
+builds the engine and runs batches of text prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+from freetoken.engine.config import EngineConfig
+from freetoken.errors import FreetokenError
+from freetoken.sampling import SamplingParams
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
+
+
+def resolve_checkpoint(model: str | Path | None, progress: Callable[[int], None] | None = None) -> Path:
+    """The unified checkpoint directory for `model`, converting HF or GGUF sources once into the cache."""
+    from freetoken.converters.detect import detect_format, resolve_source
+
+    if model is None:
+        if not (DEFAULT_MODEL_DIR / "manifest.json").exists():
+            raise FreetokenError("no MODEL given and the embedded default model is not installed", DEFAULT_MODEL_DIR)
+        return DEFAULT_MODEL_DIR
+    path = resolve_source(model)
+    fmt = detect_format(path)
+    if fmt == "unified":
+        return path
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_mtime_ns}:{stat.st_size}".encode()).hexdigest()[:16]
+    dst = cache_dir() / "converted" / f"{path.name}-{key}"
+    if not (dst / "manifest.json").exists():
+        from freetoken.converters import convert
+
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        convert(path, dst, force=True, progress=progress)
+    return dst
+
+
+@dataclass
+class Completion:
+    prompt: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    accepted_lens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RunStats:
+    num_requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    seconds: float
+    decode_steps: int
+    num_preemptions: int
+    num_draft_tokens: int
+    acceptance_per_position: list[float]  # P(draft i accepted) per verify
+    mean_accepted_len: float  # tokens emitted per request per target step (accepted drafts + 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, progress: Callable[[int], None] | None = None):
+        import torch
+
+        from freetoken.checkpoint.reader import UnifiedCheckpoint
+        from freetoken.models.loader import load_model
+
+        self.config = config or EngineConfig()
+        self.path = resolve_checkpoint(model, progress)
+        self.checkpoint = UnifiedCheckpoint.open(self.path)
+        if self.config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise FreetokenError(f"--device {self.config.device} but CUDA is not available")
+        wants_mtp = self.config.spec == "mtp"
+        if wants_mtp and "mtp" not in self.checkpoint.draft_heads:
+            raise FreetokenError("the checkpoint has no MTP head, so --spec mtp cannot run; use --spec none", self.path)
+        self.model = load_model(
+            self.checkpoint, self.checkpoint.family, self.checkpoint.config, with_mtp=wants_mtp,
+            device=self.config.device, dtype=self.config.torch_dtype, origin=str(self.path),
+        )
+        self.tokenizer = None
+        if self.checkpoint.tokenizer_path is not None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(self.checkpoint.tokenizer_path))
+
+    # -- text ----------------------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise FreetokenError("the checkpoint has no tokenizer.json; pass token ids", self.path)
+        if chat:
+            prompt = self.apply_chat_template(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def apply_chat_template(self, prompt: str) -> str:
+        template = self.checkpoint.chat_template
+        if not template:
+            raise FreetokenError("the checkpoint has no chat template; drop --chat", self.path)
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+
+    # -- generation ----------------------------------------------------------------------------------
+    def make_engine(self, config: EngineConfig | None = None):
+        from freetoken.engine.engine import LLMEngine
+
+        return LLMEngine(self.model, config or self.config, origin=str(self.path))
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], config: EngineConfig | None = None, on_step=None):
+        engine = self.make_engine(config)
+        start = time.perf_counter()
+        requests = engine.generate(prompts, params, on_step=on_step)
+        seconds = time.perf_counter() - start
+        s = engine.stats
+        k = engine.spec.num_draft_tokens
+        stats = RunStats(
+            num_requests=len(requests),
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+            generated_tokens=sum(len(r.output_token_ids) for r in requests),
+            seconds=seconds,
+            decode_steps=s.decode_steps,
+            num_preemptions=s.num_preemptions,
+            num_draft_tokens=k,
+            acceptance_per_position=[a / s.num_verifies for a in s.accepted_per_position] if s.num_verifies else [],
+            mean_accepted_len=(sum(sum(r.accepted_lens) for r in requests) / s.num_verifies + 1.0) if s.num_verifies else 1.0,
+        )
+        return requests, stats
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams, chat: bool = False, config: EngineConfig | None = None, on_step=None) -> tuple[list[Completion], RunStats]:
+        ids = [self.encode(p, chat) for p in prompts]
+        requests, stats = self.generate_ids(ids, params, config, on_step)
+        completions = [
+            Completion(p, r.prompt_token_ids, r.output_token_ids, self.decode(r.output_token_ids), r.finish_reason, r.accepted_lens)
+            for p, r in zip(prompts, requests)
+        ]
+        return completions, stats
+
+    def with_spec(self, spec: str, num_draft_tokens: int) -> EngineConfig:
+        return replace(self.config, spec=spec, num_draft_tokens=num_draft_tokens)
