@@ -11,6 +11,7 @@ import sys
 
 import typer
 
+from freetoken.cli.bench import bench
 from freetoken.cli.convert import convert
 from freetoken.cli.generate import generate
 from freetoken.cli.inspect import inspect
@@ -29,6 +30,7 @@ app.command()(convert)
 app.command()(inspect)
 app.command()(generate)
 app.command()(parity)
+app.command()(bench)
 
 
 def main() -> None:

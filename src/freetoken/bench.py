@@ -1,0 +1,172 @@
+"""Decode benchmarks on random-weight models of real shapes (no download needed).
+
+`run_bench` times prefill and decode separately and reports decode tokens/s next to the
+memory-bandwidth floor of a decode step: every active weight byte read once, plus the KV cache and
+the GDN state (read and written), over the measured copy bandwidth of the GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from freetoken.engine.config import EngineConfig
+from freetoken.models.qwen3_5.config import Qwen35Config
+from freetoken.sampling import SamplingParams
+
+H200_COPY_BANDWIDTH = 4.25e12  # bytes/s, measured device-to-device copy on this H200 (DESIGN.md)
+
+_GDN = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+SHAPES: dict[str, Qwen35Config] = {
+    "qwen3.5-9b": Qwen35Config(
+        vocab_size=248320, hidden_size=4096, num_hidden_layers=32,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)),
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, intermediate_size=12288,
+        mtp_num_hidden_layers=1, eos_token_ids=(248044,), **_GDN,
+    ),
+    "tiny": Qwen35Config(  # for smoke tests of the benchmark itself
+        vocab_size=512, hidden_size=64, num_hidden_layers=4,
+        layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        intermediate_size=128, mtp_num_hidden_layers=1, eos_token_ids=(511,),
+    ),
+    "qwen3.5-35b-a3b": Qwen35Config(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)),
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, mtp_num_hidden_layers=1,
+        eos_token_ids=(248044,), model_type="qwen3_5_moe", **_GDN,
+    ),
+}
+
+
+@torch.no_grad()
+def random_model(cfg: Qwen35Config, device: str, dtype: torch.dtype, with_mtp: bool, seed: int = 0):
+    """A model of cfg's shape with seeded random weights of sensible scale (no branch is an identity)."""
+    from freetoken.models.loader import build_empty
+
+    model = build_empty("qwen3_5", cfg.to_dict(), with_mtp=with_mtp, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.log(torch.rand(p.shape, generator=gen, device=device) * 15 + 1))
+        elif name.endswith("dt_bias"):
+            p.fill_(1.0)
+        elif name.endswith("linear_attn.norm.weight"):
+            p.fill_(1.0)
+        elif p.ndim == 1:
+            p.normal_(0.0, 0.1, generator=gen)
+        elif name.endswith("conv1d.weight"):
+            p.normal_(0.0, 0.3, generator=gen)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    return model
+
+
+def decode_floor_bytes(model: torch.nn.Module, cfg: Qwen35Config, batch_size: int, context_len: int, dtype_bytes: int) -> int:
+    """Bytes a decode step must move at least: active weights once, KV read, GDN state read and written."""
+    weights = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
+        if name == "model.embed_tokens.weight":
+            weights += batch_size * p.shape[1] * p.element_size() + (p.numel() * p.element_size() if cfg.tie_word_embeddings else 0)
+        elif ".mlp.experts." in name:
+            active = min(cfg.num_experts, batch_size * cfg.num_experts_per_tok)
+            weights += p.numel() * p.element_size() * active // cfg.num_experts
+        else:
+            weights += p.numel() * p.element_size()
+    kv = len(cfg.full_attention_layers) * batch_size * context_len * cfg.num_key_value_heads * cfg.head_dim * 2 * dtype_bytes
+    state = len(cfg.linear_attention_layers) * batch_size * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 * 2
+    return weights + kv + state
+
+
+@dataclass
+class BenchResult:
+    shape: str
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    spec: str
+    num_draft_tokens: int
+    dtype: str
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    generated_tokens: int
+    decode_tokens_per_s: float
+    step_ms: float
+    floor_bytes_per_step: int
+    floor_step_ms: float
+    floor_tokens_per_s: float
+    fraction_of_floor: float
+    kernels: str
+
+
+def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none", num_draft_tokens: int = 0,
+              device: str = "cuda", dtype: str = "bfloat16", seed: int = 0) -> BenchResult:
+    import os
+
+    from freetoken.engine.engine import LLMEngine
+
+    cfg = SHAPES[shape]
+    config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_num_batched_tokens=max(prompt_len, 256),
+                          spec=spec, num_draft_tokens=num_draft_tokens, max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed)
+    model = random_model(cfg, device, config.torch_dtype, with_mtp=spec == "mtp", seed=seed)
+    engine = LLMEngine(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    prefill_s = decode_s = 0.0
+    while engine.scheduler.has_work:
+        in_prefill = any(r.in_prefill for r in engine.scheduler.running) or bool(engine.scheduler.waiting)
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        if in_prefill:
+            prefill_s += time.perf_counter() - t0
+        else:
+            decode_s += time.perf_counter() - t0
+    s = engine.stats
+    floor = decode_floor_bytes(model, cfg, batch_size, prompt_len + new_tokens // 2, config.torch_dtype.itemsize)
+    floor_step = floor / H200_COPY_BANDWIDTH
+    tps = s.generated_tokens / decode_s if decode_s else 0.0
+    step_ms = 1000 * decode_s / max(s.decode_steps, 1)
+    return BenchResult(
+        shape, batch_size, prompt_len, new_tokens, spec, num_draft_tokens, dtype, prefill_s, decode_s, s.decode_steps, s.generated_tokens,
+        tps, step_ms, floor, 1000 * floor_step, batch_size / floor_step, (1000 * floor_step) / step_ms if step_ms else 0.0,
+        os.environ.get("FREETOKEN_KERNELS", "auto"),
+    )
+
+
+def environment() -> dict:
+    def _git(*args: str) -> str:
+        try:
+            repo = Path(__file__).resolve().parents[2]
+            return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git("rev-parse", "HEAD"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "copy_bandwidth_bytes_per_s": H200_COPY_BANDWIDTH,
+    }
+
+
+def write_results(path: Path, command: str, results: list[BenchResult]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"command": command, **environment(), "results": [asdict(r) for r in results]}, indent=2) + "\n")
