@@ -1,8 +1,11 @@
 """The one dispatch point for every op the model runs.
 
-Each op has a plain-torch reference (`*_ref.py`, the CPU path and the test oracle). Faster backends plug
-in here; callers never import a backend module directly. The backend is chosen per call from
-`FREETOKEN_KERNELS` (auto | torch | triton), read once.
+Each op has a plain-torch reference (`*_ref.py`, `batched.py`: the CPU path and the test oracle) and,
+for the hot ops, a Triton kernel (`*_triton.py`). Callers never import a backend module directly.
+The backend is chosen per call: Triton when the tensors are on CUDA, triton imports and
+`FREETOKEN_KERNELS` (auto | torch | triton, read once) is not "torch"; otherwise the reference.
+`FREETOKEN_KERNELS=triton` also runs the kernels on CPU tensors under `TRITON_INTERPRET=1`, and
+raises if triton is missing.
 
 Row invariance is a contract of every op here: the result for one row (token) depends only on that
 row's inputs and its own context, never on how many rows share the call or which requests they
@@ -11,21 +14,121 @@ belong to. Speculative decoding's exactness rests on it (DESIGN.md, invariant 5)
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
+
+from freetoken.errors import FreetokenError
+from freetoken.kernels import attention_ref, batched, linear_ref, norm_ref
 from freetoken.kernels.attention_ref import paged_attention, store_kv
+from freetoken.kernels.batched import SeqBatch
 from freetoken.kernels.conv_ref import causal_conv1d
 from freetoken.kernels.gdn_ref import gdn_recurrent
-from freetoken.kernels.linear_ref import linear
-from freetoken.kernels.norm_ref import gated_rms_norm, rms_norm, zc_rms_norm
 from freetoken.kernels.rope_ref import apply_rope
 
+MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on tensor `t` runs its Triton kernel."""
+    if MODE not in ("auto", "torch", "triton"):
+        raise FreetokenError(f"FREETOKEN_KERNELS={MODE!r}: expected auto, torch or triton")
+    if MODE == "torch":
+        return False
+    if MODE == "triton" and not _triton_importable():
+        raise FreetokenError("FREETOKEN_KERNELS=triton: the triton package is not importable")
+    if t.is_cuda:
+        return _triton_importable()
+    return MODE == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N]; row-invariant."""
+    if use_triton(x):
+        from freetoken.kernels import linear_triton
+
+        return linear_triton.linear(x, weight)
+    return linear_ref.linear(x, weight)
+
+
+def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm(x) * (1 + w); x [..., D], weight [D]."""
+    if use_triton(x):
+        from freetoken.kernels import norm_triton
+
+        return norm_triton.zc_rms_norm(x, weight, eps)
+    return norm_ref.zc_rms_norm(x, weight, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * norm(x); x [..., D], weight [D]."""
+    if use_triton(x):
+        from freetoken.kernels import norm_triton
+
+        return norm_triton.rms_norm(x, weight, eps)
+    return norm_ref.rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu") -> torch.Tensor:
+    """w * norm(x) * act(gate); x, gate [..., D], weight [D]."""
+    if use_triton(x):
+        from freetoken.kernels import norm_triton
+
+        return norm_triton.gated_rms_norm(x, gate, weight, eps, act)
+    return norm_ref.gated_rms_norm(x, gate, weight, eps, act)
+
+
+def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float) -> torch.Tensor:
+    """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row causally in its sequence -> [N, Hq, D]."""
+    if use_triton(q):
+        from freetoken.kernels import attention_triton
+
+        return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale)
+    return batched.paged_attention_batched(q, k_cache, v_cache, batch, block_size, scale)
+
+
+def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, batch: SeqBatch, write_state: bool = True) -> torch.Tensor:
+    """silu(causal conv) of rows [N, C] with the window pool [slots, K-1, C]; windows advance if write_state."""
+    if use_triton(rows):
+        from freetoken.kernels import conv_triton
+
+        return conv_triton.causal_conv1d(windows, rows, weight, batch, write_state)
+    return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
+
+
+def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
+    """Gated delta rule over the state pool [slots, Hv, Dk, Dv]; see batched.gdn_recurrent_batched."""
+    if use_triton(q):
+        from freetoken.kernels import gdn_triton
+
+        return gdn_triton.gdn_recurrent(state, q, k, v, g, beta, batch, write_state, compute_output)
+    return batched.gdn_recurrent_batched(state, q, k, v, g, beta, batch, write_state, compute_output)
+
+
 __all__ = [
+    "SeqBatch",
     "apply_rope",
+    "attention_ref",
     "causal_conv1d",
+    "causal_conv1d_batched",
     "gated_rms_norm",
     "gdn_recurrent",
+    "gdn_recurrent_batched",
     "linear",
     "paged_attention",
+    "paged_attention_batched",
     "rms_norm",
     "store_kv",
+    "use_triton",
     "zc_rms_norm",
 ]

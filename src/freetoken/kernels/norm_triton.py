@@ -1,0 +1,78 @@
+"""RMSNorm variants (Triton): zero-centred, plain and gated, one program per row.
+
+Each program normalises one row of D elements with a single fp32 reduction over a fixed
+BLOCK_D = next_pow2(D) block, so a row's bits never depend on how many rows the launch has. The
+casts follow `norm_ref`: the zero-centred form multiplies by (1 + w) in fp32 and casts once; the
+plain and gated forms cast the normalised value to the input dtype, multiply by w (rounded to the
+output dtype), and the gated form then multiplies by act(z) in fp32 and casts again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+
+_ACTS = {"silu": 0, "sigmoid": 1}
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, y_ptr,
+    D, stride_x, stride_z, stride_y, eps,
+    MODE: tl.constexpr,  # 0 zero-centred, 1 plain, 2 gated
+    ACT: tl.constexpr,  # 0 silu, 1 sigmoid (gated only)
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    n = x * rstd
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 0:
+        y = n * (1.0 + w)
+    else:
+        y = (w * n.to(x_raw.dtype).to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if MODE == 2:
+            z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+            if ACT == 0:
+                y = y * (z * tl.sigmoid(z))
+            else:
+                y = y * tl.sigmoid(z)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, mode: int, act: int, out_dtype: torch.dtype) -> torch.Tensor:
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    z2 = x2 if z is None else z.reshape(-1, d)
+    z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, z2, weight.contiguous(), y, d, x2.stride(0), z2.stride(0), y.stride(0), eps,
+            MODE=mode, ACT=act, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
+        )
+    return y.view(x.shape)
+
+
+def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = norm(x) * (1 + w) in x.dtype; x [..., D], weight [D]."""
+    return _launch(x, None, weight, eps, 0, 0, x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * norm(x).to(x.dtype); x [..., D], weight [D]."""
+    return _launch(x, None, weight, eps, 1, 0, torch.promote_types(x.dtype, weight.dtype))
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu") -> torch.Tensor:
+    """y = (w * norm(x).to(x.dtype)) * act(gate) in x.dtype; x, gate [..., D], weight [D]."""
+    y = _launch(x, gate, weight, eps, 2, _ACTS[act], torch.promote_types(x.dtype, weight.dtype))
+    return y.to(x.dtype)

@@ -1,0 +1,68 @@
+"""Triton linear vs the torch reference (within rounding) and against itself alone (bitwise).
+
+On CPU the kernel runs under TRITON_INTERPRET=1 at tiny shapes; on a GPU (TRITON_INTERPRET=0) the
+same checks run at model-sized shapes.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from freetoken.kernels import linear_ref, linear_triton  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")]),
+]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def shapes(device):
+    # (M, K, N): K not a multiple of BLOCK_K, N not a multiple of BLOCK_N, M across a BLOCK_M edge.
+    return [(19, 80, 72)] if device == "cpu" else [(37, 4096, 4160), (300, 1000, 2000)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_matches_reference(device, dtype):
+    gen = torch.Generator().manual_seed(0)
+    for m, k, n in shapes(device):
+        x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
+        got = linear_triton.linear(x, w)
+        exact = x.double() @ w.double().T  # the fp64 product of the same rounded inputs
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), exact, rtol=TOL[dtype], atol=TOL[dtype])
+        ref = linear_ref.linear(x, w)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_are_invariant_to_batch(device, dtype):
+    gen = torch.Generator().manual_seed(1)
+    m, k, n = shapes(device)[0]
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(device)
+    full = linear_triton.linear(x, w)
+    picks = [0, 5, m - 1] if device == "cpu" else range(m)
+    for i in picks:
+        assert torch.equal(linear_triton.linear(x[i : i + 1], w), full[i : i + 1]), f"row {i} alone differs"
+    # The same row in a different batch (other neighbours, other position in the tile) is unchanged too.
+    mixed = torch.cat([x[3:4], torch.randn(4, k, generator=gen).to(dtype).to(device), x[0:1]])
+    out = linear_triton.linear(mixed, w)
+    assert torch.equal(out[0], full[3]) and torch.equal(out[5], full[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_handles_empty_and_strided_input(device):
+    w = torch.randn(40, 24).to(device)
+    assert linear_triton.linear(torch.empty(0, 24, device=device), w).shape == (0, 40)
+    x = torch.randn(3, 48).to(device)[:, ::2]  # non-unit inner stride
+    torch.testing.assert_close(linear_triton.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)

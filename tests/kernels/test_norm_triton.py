@@ -1,0 +1,68 @@
+"""Triton RMSNorms vs `norm_ref` (within one rounding of the output dtype) and row invariance (bitwise)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from freetoken.kernels import norm_ref, norm_triton  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")]),
+]
+# One output ulp: the fp32 chains differ from torch's only in rsqrt and summation order.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def make(device, dtype, rows, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 3, d, generator=gen) * 3).to(dtype).to(device)
+    z = torch.randn(rows, 3, d, generator=gen).to(dtype).to(device)
+    w = (torch.randn(d, generator=gen) * 0.5).to(dtype).to(device)
+    return x, z, w
+
+
+def ops():
+    return {
+        "zc": (lambda x, z, w: norm_triton.zc_rms_norm(x, w, 1e-6), lambda x, z, w: norm_ref.zc_rms_norm(x, w, 1e-6)),
+        "plain": (lambda x, z, w: norm_triton.rms_norm(x, w, 1e-6), lambda x, z, w: norm_ref.rms_norm(x, w, 1e-6)),
+        "silu": (lambda x, z, w: norm_triton.gated_rms_norm(x, z, w, 1e-6, "silu"), lambda x, z, w: norm_ref.gated_rms_norm(x, z, w, 1e-6, "silu")),
+        "sigmoid": (lambda x, z, w: norm_triton.gated_rms_norm(x, z, w, 1e-6, "sigmoid"), lambda x, z, w: norm_ref.gated_rms_norm(x, z, w, 1e-6, "sigmoid")),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["zc", "plain", "silu", "sigmoid"])
+def test_norm_matches_reference(device, dtype, name):
+    d = 48 if device == "cpu" else 5120  # not a power of two: the block is masked
+    x, z, w = make(device, dtype, 4, d, 0)
+    fast, ref = ops()[name]
+    got, want = fast(x, z, w), ref(x, z, w)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["zc", "silu"])
+def test_norm_rows_are_invariant_to_batch(device, name):
+    x, z, w = make(device, torch.bfloat16, 5, 48 if device == "cpu" else 4096, 1)
+    fast, _ = ops()[name]
+    full = fast(x, z, w)
+    for i in range(5):
+        assert torch.equal(fast(x[i : i + 1], z[i : i + 1], w), full[i : i + 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_centred_norm_hand_value(device):
+    # x = [3, 4]: mean square 12.5, so norm(x) = x / sqrt(12.5); w = [0, 1] scales by [1, 2].
+    x = torch.tensor([[3.0, 4.0]], device=device)
+    got = norm_triton.zc_rms_norm(x, torch.tensor([0.0, 1.0], device=device), 0.0)
+    expect = torch.tensor([[3.0, 8.0]], device=device) / 12.5**0.5
+    torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
