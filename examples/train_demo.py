@@ -120,7 +120,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     tokenizer_vocab: int = 5120  # including the special tokens
-    heldout_mod: int = 6  # a file is held out iff sha1(relative path) % heldout_mod == 0
+    heldout_mod: int = 4  # a file is held out iff sha1(relative path) % heldout_mod == 0
     max_train_files: int = 0  # 0 = all
     seq_len: int = 512
     batch_size: int = 32
