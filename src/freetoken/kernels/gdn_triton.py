@@ -1,0 +1,96 @@
+"""The gated delta rule recurrence over a batch of sequences (Triton).
+
+One launch covers the whole batch: program (b, h, vb) loads the fp32 state tile
+[Dk, BLOCK_V] of sequence b's slot and value head h into registers, steps through the sequence's
+rows in order, and stores the tile back only when `write_state` is set. Columns of the state are
+independent (the reductions run over Dk), so splitting Dv across programs changes no bits.
+
+Decode, verify (write_state=0, on the pool itself: nothing is written) and the commit replay
+(write_output=0) are the same compiled kernel: the two flags are runtime arguments that are not
+specialised on, and neither guards anything the state update reads. A replayed row therefore
+updates the state exactly as decoding it did.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+from freetoken.kernels.batched import SeqBatch
+
+
+@triton.jit(do_not_specialize=["write_state", "write_output"])
+def _gdn_kernel(
+    state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    starts_ptr, counts_ptr, slots_ptr,
+    Dk, Dv, write_state, write_output,
+    s_slot, s_head, s_k,  # state strides (Dv contiguous)
+    q_row, q_head, k_row, k_head, v_row, v_head, g_row, beta_row, o_row, o_head,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    count = tl.load(counts_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = ks < Dk
+    mv = vs < Dv
+    s_ptrs = state_ptr + slot * s_slot + h * s_head + ks[:, None] * s_k + vs[None, :]
+    s_mask = mk[:, None] & mv[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
+    for t in range(count):
+        row = start + t
+        q = tl.load(q_ptr + row * q_row + h * q_head + ks, mask=mk, other=0.0)
+        k = tl.load(k_ptr + row * k_row + h * k_head + ks, mask=mk, other=0.0)
+        v = tl.load(v_ptr + row * v_row + h * v_head + vs, mask=mv, other=0.0)
+        g = tl.load(g_ptr + row * g_row + h)
+        beta = tl.load(beta_ptr + row * beta_row + h)
+        s = s * tl.exp(g)
+        kv_mem = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
+        if write_output != 0:
+            o = tl.sum(s * q[:, None], axis=0)
+            tl.store(o_ptr + row * o_row + h * o_head + vs, o, mask=mv)
+    if write_state != 0:
+        tl.store(s_ptrs, s, mask=s_mask)
+
+
+def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gdn_recurrent(
+    state: torch.Tensor,  # [slots, Hv, Dk, Dv] fp32 pool
+    q: torch.Tensor,  # [N, Hv, Dk] fp32
+    k: torch.Tensor,  # [N, Hv, Dk] fp32
+    v: torch.Tensor,  # [N, Hv, Dv] fp32
+    g: torch.Tensor,  # [N, Hv] fp32
+    beta: torch.Tensor,  # [N, Hv] fp32
+    batch: SeqBatch,
+    write_state: bool = True,
+    compute_output: bool = True,
+) -> torch.Tensor | None:
+    """Advance each sequence's slot over its rows (unless write_state is False) -> outputs [N, Hv, Dv] fp32."""
+    assert state.dtype == torch.float32 and state.stride(-1) == 1
+    q, k, v, g, beta = (_inner_contiguous(t.float()) for t in (q, k, v, g, beta))
+    _, num_heads, dk, dv = state.shape
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device) if compute_output else None
+    if batch.num_seqs == 0 or q.shape[0] == 0:
+        return out
+    o = out if out is not None else v  # never written when compute_output is False
+    block_v = min(32, triton.next_power_of_2(dv))
+    grid = (batch.num_seqs, num_heads, triton.cdiv(dv, block_v))
+    _gdn_kernel[grid](
+        state, q, k, v, g, beta, o, batch.starts, batch.counts, batch.slots,
+        dk, dv, int(write_state), int(compute_output),
+        state.stride(0), state.stride(1), state.stride(2),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
+    )
+    return out
