@@ -1,0 +1,82 @@
+"""The engine's scheduling must not change what a request generates.
+
+Oracles: the same request run alone in a fresh engine (batch invariance, DESIGN.md invariant 5),
+transformers' greedy generate (one-token prompt), and the uncut greedy stream (EOS/stop tokens end
+a request exactly after the first occurrence).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.engine import LLMEngine
+from tests.conftest import TinySpec, greedy, hf_model_from_dir, load_unified
+
+PROMPTS = [[i * 7 % 256 for i in range(n)] for n in (1, 2, 3, 5, 8, 13, 4, 9, 6, 11)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _run(model, prompts, params, **cfg) -> list[list[int]]:
+    config = EngineConfig(dtype="bfloat16" if next(model.parameters()).dtype == torch.bfloat16 else "float32", max_model_len=64, **cfg)
+    return [r.output_token_ids for r in LLMEngine(model, config).generate(prompts, params)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("spec", [TinySpec(), TinySpec(moe=True)], ids=["dense", "moe"])
+def test_continuous_batching_equals_each_request_alone(spec, dtype, tiny_checkpoint):
+    model = load_unified(tiny_checkpoint(spec)[1], with_mtp=False, dtype=DTYPES[dtype])
+    params = greedy(12)
+    batched = _run(model, PROMPTS, params, max_num_seqs=4, max_num_batched_tokens=16)  # 10 requests, 4 at a time
+    alone = [_run(model, [p], params, max_num_seqs=1)[0] for p in PROMPTS]
+    assert batched == alone
+    assert all(len(o) == 12 for o in batched)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_chunked_prefill_budget_does_not_change_outputs(dtype, tiny_checkpoint):
+    model = load_unified(tiny_checkpoint(TinySpec(moe=True))[1], with_mtp=False, dtype=DTYPES[dtype])
+    prompts = [[i * 11 % 256 for i in range(n)] for n in (17, 6, 23, 2)]
+    runs = {budget: _run(model, prompts, greedy(8), max_num_seqs=4, max_num_batched_tokens=budget) for budget in (1, 3, 7, 512)}
+    assert runs[1] == runs[3] == runs[7] == runs[512]
+
+
+def test_one_token_prompt_matches_transformers(tiny_checkpoint):
+    hf_dir, unified = tiny_checkpoint(TinySpec())
+    out = _run(load_unified(unified, with_mtp=False), [[42]], greedy(10), max_num_seqs=2)[0]
+    x = torch.tensor([[42]])
+    with torch.no_grad():
+        want = hf_model_from_dir(hf_dir).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert out == want[0, 1:].tolist()
+
+
+def test_eos_and_stop_tokens_end_the_request(tiny_checkpoint):
+    free_spec = TinySpec()
+    model = load_unified(tiny_checkpoint(free_spec)[1], with_mtp=False)
+    prompt = PROMPTS[5]
+    full = _run(model, [prompt], greedy(24), max_num_seqs=1)[0]
+    stop = full[6]
+    cut = full.index(stop) + 1
+
+    eos_spec = TinySpec(eos_token_id=stop)
+    eos_model = load_unified(tiny_checkpoint(eos_spec)[1], with_mtp=False)
+    assert eos_model.eos_token_ids == (stop,)
+    engine = LLMEngine(eos_model, EngineConfig(max_num_seqs=2, max_model_len=64))
+    stopped, ignoring = engine.generate([prompt, prompt], [greedy(24, ignore_eos=False), greedy(24, ignore_eos=True)])
+    assert stopped.output_token_ids == full[:cut] and stopped.finish_reason == "stop"
+    assert ignoring.output_token_ids == full
+
+    by_stop_id = _run(model, [prompt], greedy(24, stop_token_ids=(stop,)), max_num_seqs=1)[0]
+    assert by_stop_id == full[:cut]
+
+
+def test_finish_reason_names_the_limit(tiny_checkpoint):
+    """OpenAI semantics: "length" when max_new_tokens ends a request, "stop" for a stop token."""
+    model = load_unified(tiny_checkpoint(TinySpec())[1], with_mtp=False)
+    prompt = PROMPTS[5]
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64))
+    (free,) = engine.generate([prompt], greedy(5))
+    (stopped,) = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64)).generate([prompt], greedy(5, stop_token_ids=(free.output_token_ids[2],)))
+    assert stopped.finish_reason == "stop"
+    assert free.finish_reason == "length"
