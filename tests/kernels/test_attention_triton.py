@@ -1,0 +1,87 @@
+"""Triton paged attention vs the batched torch reference, and each row alone vs in a batch (bitwise)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from freetoken.kernels import attention_triton, batched  # noqa: E402
+from freetoken.kernels.batched import SeqBatch  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")]),
+]
+BLOCK = 4  # KV block size in tokens
+
+
+def setup(device, dtype, num_rows, num_cached, heads=(4, 2), d=32, seed=0):
+    """A KV pool with random contents, shuffled block tables, and q rows for each sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    totals = [c + n for c, n in zip(num_cached, num_rows)]
+    blocks_needed = [-(-t // BLOCK) for t in totals]
+    perm = torch.randperm(sum(blocks_needed) + 3, generator=gen)
+    tables, used = [], 0
+    for b in blocks_needed:
+        tables.append(perm[used : used + b].to(torch.int32).to(device))
+        used += b
+    num_slots = (sum(blocks_needed) + 3) * BLOCK
+    k_cache = torch.randn(num_slots, heads[1], d, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_slots, heads[1], d, generator=gen).to(dtype).to(device)
+    q = torch.randn(sum(num_rows), heads[0], d, generator=gen).to(dtype).to(device)
+    starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+    batch = SeqBatch(tuple(starts), tuple(num_rows), tuple(num_cached), (-1,) * len(num_rows), tuple(tables), torch.device(device))
+    return q, k_cache, v_cache, batch
+
+
+def shapes(device):
+    # (rows per sequence, cached tokens per sequence): a prefill, a decode, a verify past a BLOCK_N edge.
+    return ([5, 1, 4], [0, 9, 62]) if device == "cpu" else ([300, 1, 4, 4], [0, 1000, 62, 4093])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_reference(device, dtype):
+    num_rows, num_cached = shapes(device)
+    heads, d = ((4, 2), 32) if device == "cpu" else ((16, 2), 256)
+    q, k_cache, v_cache, batch = setup(device, dtype, num_rows, num_cached, heads, d)
+    scale = d**-0.5
+    got = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, scale)
+    want = batched.paged_attention_batched(q, k_cache, v_cache, batch, BLOCK, scale)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_row_alone_equals_row_in_batch(device):
+    num_rows, num_cached = shapes(device)
+    q, k_cache, v_cache, batch = setup(device, torch.bfloat16, num_rows, num_cached, seed=1)
+    full = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, 0.2)
+    for i in range(batch.num_seqs):
+        for j in range(batch.num_rows[i]) if device == "cuda" else {0, batch.num_rows[i] - 1}:
+            row = batch.row_starts[i] + j
+            alone = SeqBatch((0,), (1,), (batch.num_cached[i] + j,), (-1,), (batch.block_tables[i],), batch.device)
+            out = attention_triton.paged_attention(q[row : row + 1], k_cache, v_cache, alone, BLOCK, 0.2)
+            assert torch.equal(out[0], full[row]), f"sequence {i} row {j}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_hand_case(device):
+    # One query, two keys with scores 0 and log(3) -> weights 1/4, 3/4 over values 4 and 8 -> 7.
+    k_cache = torch.zeros(8, 1, 16, device=device)
+    v_cache = torch.zeros(8, 1, 16, device=device)
+    k_cache[5, 0, 0] = 0.0
+    k_cache[2, 0, 0] = torch.log(torch.tensor(3.0))
+    v_cache[5, 0, :] = 4.0
+    v_cache[2, 0, :] = 8.0
+    q = torch.zeros(1, 1, 16, device=device)
+    q[0, 0, 0] = 1.0
+    table = torch.tensor([5, 2], dtype=torch.int32, device=device)  # block size 1: token 0 -> slot 5, token 1 -> slot 2
+    batch = SeqBatch((0,), (1,), (1,), (-1,), (table,), torch.device(device))
+    out = attention_triton.paged_attention(q, k_cache, v_cache, batch, 1, 1.0)
+    torch.testing.assert_close(out, torch.full((1, 1, 16), 7.0, device=device), rtol=1e-5, atol=1e-5)
