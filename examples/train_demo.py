@@ -635,6 +635,12 @@ def main(argv=None) -> dict:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(tc.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if device.type == "cuda":
+        # cuDNN, flash and memory-efficient attention have non-deterministic backward passes; the
+        # math kernel is deterministic and cheap at this size.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
 
     def guard(what: str) -> None:
