@@ -34,6 +34,7 @@ def generate(
     dtype: DTypeOpt = DType.float32,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the checkpoint's chat template.")] = False,
     threads: ThreadsOpt = 1,
+    stats_json: Annotated[Optional[Path], typer.Option("--stats-json", help="Write the run statistics (with command, commit, date) as JSON here.")] = None,
 ) -> None:
     """Generate completions for a batch of prompts."""
     import torch
@@ -66,6 +67,20 @@ def generate(
         for c in completions:
             typer.echo(json.dumps({"prompt": c.prompt, "completion": c.text}, ensure_ascii=False))
     console.print(summary_table(stats))
+    if stats_json is not None:
+        _write_stats(stats_json, stats, llm, config)
+
+
+def _write_stats(path: Path, stats, llm, config) -> None:
+    import dataclasses
+    import sys
+
+    from freetoken.bench import environment
+
+    record = {"command": "freetoken " + " ".join(sys.argv[1:]), **environment(), "model": str(llm.path),
+              "config": dataclasses.asdict(config), "stats": dataclasses.asdict(stats), "tokens_per_second": stats.tokens_per_second}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _write_jsonl(path: Path, completions) -> None:
