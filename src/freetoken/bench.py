@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import time
@@ -160,7 +161,7 @@ def environment() -> dict:
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": os.environ.get("FREETOKEN_COMMIT") or _git("rev-parse", "HEAD"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu: " + (platform.processor() or platform.machine()) + ")",
         "torch": torch.__version__,
         "copy_bandwidth_bytes_per_s": H200_COPY_BANDWIDTH,
