@@ -101,6 +101,12 @@ class LLMEngine:
             self.stats.prefill_tokens += chunk.length
         self.spec.observe(committed)
 
+    def _finish_reason(self, request: Request, kept: list[int], done: bool) -> str:
+        """"stop" for an EOS or stop token, "length" for max_new_tokens or the model length."""
+        last = kept[-1] if kept else None
+        stopped = last in request.params.stop_token_ids or (last in self.eos_ids and not request.params.ignore_eos)
+        return "stop" if done and stopped else "length"
+
     def _decode(self, requests: list[Request]) -> list[Request]:
         k = self.spec.num_draft_tokens
         proposal = self.spec.propose(requests)
@@ -140,7 +146,7 @@ class LLMEngine:
                     self.stats.accepted_per_position[i] += 1
             self.stats.generated_tokens += len(kept)
             if done or request.num_tokens >= self.config.max_model_len:
-                self.scheduler.finish(request, "stop" if done else "length")
+                self.scheduler.finish(request, self._finish_reason(request, kept, done))
                 self.spec.release(request)
                 finished.append(request)
             else:
