@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, Spec, console
+from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, console
 
 
 def bench(
@@ -16,8 +16,9 @@ def bench(
     batch_size: Annotated[list[int], typer.Option("--batch-size", "-b", min=1, help="Batch sizes (repeatable).")] = [1],  # noqa: B006
     prompt_len: Annotated[int, typer.Option("--prompt-len", min=1)] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1)] = 64,
-    spec: Annotated[Spec, typer.Option("--spec")] = Spec.none,
+    spec: Annotated[str, typer.Option("--spec", help="none | mtp | oracle (drafts replay the known greedy continuation)")] = "none",
     num_draft_tokens: Annotated[int, typer.Option("--num-draft-tokens", "-k", min=0)] = 0,
+    corrupt_rate: Annotated[list[float], typer.Option("--corrupt-rate", help="Oracle drafts: chance each draft is wrong (repeatable).")] = [0.0],  # noqa: B006
     device: DeviceOpt = "cuda",
     dtype: DTypeOpt = DType.bfloat16,
     out: Annotated[Optional[Path], typer.Option("--out", help="JSON results file (default bench/results/<shape>-<spec>.json).")] = None,
@@ -30,18 +31,25 @@ def bench(
 
     if shape not in SHAPES:
         raise FreetokenError(f"unknown --shape {shape!r} (choose from {', '.join(SHAPES)})")
+    if spec not in ("none", "mtp", "oracle"):
+        raise FreetokenError(f"unknown --spec {spec!r} (none, mtp, oracle)")
+    if spec != "none" and num_draft_tokens < 1:
+        raise FreetokenError(f"--spec {spec} needs --num-draft-tokens >= 1")
     results = [
-        run_bench(shape, batch_size=b, prompt_len=prompt_len, new_tokens=new_tokens, spec=spec.value, num_draft_tokens=num_draft_tokens,
-                  device=device, dtype=dtype.value)
+        r
         for b in batch_size
+        for r in run_bench(shape, batch_size=b, prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
+                           corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value)
     ]
     table = Table(title=f"freetoken bench {shape} ({dtype.value}, {device})")
-    for col in ("batch", "spec", "decode tok/s", "step ms", "floor step ms", "floor tok/s", "fraction of floor", "prefill s"):
+    for col in ("batch", "spec", "decode tok/s", "step ms", "floor step ms", "fraction of floor", "accept/pos", "tok/step", "speedup", "step cost"):
         table.add_column(col)
     for r in results:
-        table.add_row(str(r.batch_size), f"{r.spec} k={r.num_draft_tokens}", f"{r.decode_tokens_per_s:.1f}", f"{r.step_ms:.2f}",
-                      f"{r.floor_step_ms:.2f}", f"{r.floor_tokens_per_s:.0f}", f"{r.fraction_of_floor:.1%}", f"{r.prefill_seconds:.2f}")
+        name = f"{r.spec} k={r.num_draft_tokens}" + (f" corrupt={r.corrupt_rate:g}" if r.corrupt_rate is not None else "")
+        table.add_row(str(r.batch_size), name, f"{r.decode_tokens_per_s:.1f}", f"{r.step_ms:.2f}", f"{r.floor_step_ms:.2f}",
+                      f"{r.fraction_of_floor:.1%}", " ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "-", f"{r.mean_accepted_len:.2f}",
+                      f"{r.speedup_vs_no_spec:.2f}x" if r.speedup_vs_no_spec else "-", f"{r.step_cost_vs_decode:.2f}x" if r.step_cost_vs_decode else "-")
     console.print(table)
-    path = out or Path("bench/results") / f"{shape}-{spec.value}.json"
+    path = out or Path("bench/results") / f"{shape}-{spec}.json"
     write_results(path, "freetoken " + " ".join(sys.argv[1:]), results)
     console.print(f"wrote {path}")

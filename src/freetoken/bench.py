@@ -97,6 +97,7 @@ class BenchResult:
     new_tokens: int
     spec: str
     num_draft_tokens: int
+    corrupt_rate: float | None  # oracle drafts only: chance that a draft is replaced by a wrong token
     dtype: str
     prefill_seconds: float
     decode_seconds: float
@@ -104,29 +105,20 @@ class BenchResult:
     generated_tokens: int
     decode_tokens_per_s: float
     step_ms: float
+    acceptance_per_position: list[float]
+    mean_accepted_len: float
     floor_bytes_per_step: int
     floor_step_ms: float
     floor_tokens_per_s: float
-    fraction_of_floor: float
+    fraction_of_floor: float  # floor step time / measured step time
+    speedup_vs_no_spec: float | None  # decode tokens/s over the no-spec run of the same invocation
+    step_cost_vs_decode: float | None  # step time over the no-spec decode step time
     kernels: str
 
 
-def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none", num_draft_tokens: int = 0,
-              device: str = "cuda", dtype: str = "bfloat16", seed: int = 0) -> BenchResult:
-    import os
-
-    from freetoken.engine.engine import LLMEngine
-
-    cfg = SHAPES[shape]
-    config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_num_batched_tokens=max(prompt_len, 256),
-                          spec=spec, num_draft_tokens=num_draft_tokens, max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed)
-    model = random_model(cfg, device, config.torch_dtype, with_mtp=spec == "mtp", seed=seed)
-    engine = LLMEngine(model, config)
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
+def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, device: str):
+    """Run to completion, timing prefill steps and decode steps separately -> (requests, prefill_s, decode_s)."""
+    requests = [engine.add_request(p, params) for p in prompts]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prefill_s = decode_s = 0.0
     while engine.scheduler.has_work:
@@ -139,16 +131,54 @@ def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tok
             prefill_s += time.perf_counter() - t0
         else:
             decode_s += time.perf_counter() - t0
-    s = engine.stats
-    floor = decode_floor_bytes(model, cfg, batch_size, prompt_len + new_tokens // 2, config.torch_dtype.itemsize)
+    return requests, prefill_s, decode_s
+
+
+def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none", num_draft_tokens: int = 0,
+              corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0) -> list[BenchResult]:
+    """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts."""
+    from freetoken.engine.engine import LLMEngine
+
+    cfg = SHAPES[shape]
+    base_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_num_batched_tokens=max(prompt_len, 256),
+                               max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed)
+    model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    floor = decode_floor_bytes(model, cfg, batch_size, prompt_len + new_tokens // 2, base_config.torch_dtype.itemsize)
     floor_step = floor / H200_COPY_BANDWIDTH
-    tps = s.generated_tokens / decode_s if decode_s else 0.0
-    step_ms = 1000 * decode_s / max(s.decode_steps, 1)
-    return BenchResult(
-        shape, batch_size, prompt_len, new_tokens, spec, num_draft_tokens, dtype, prefill_s, decode_s, s.decode_steps, s.generated_tokens,
-        tps, step_ms, floor, 1000 * floor_step, batch_size / floor_step, (1000 * floor_step) / step_ms if step_ms else 0.0,
-        os.environ.get("FREETOKEN_KERNELS", "auto"),
-    )
+    kernels = os.environ.get("FREETOKEN_KERNELS", "auto")
+
+    def result(engine, spec_name, k, rate, prefill_s, decode_s, base: BenchResult | None) -> BenchResult:
+        s = engine.stats
+        tps = s.generated_tokens / decode_s if decode_s else 0.0
+        step_ms = 1000 * decode_s / max(s.decode_steps, 1)
+        acc = [a / s.num_verifies for a in s.accepted_per_position] if s.num_verifies else []
+        mean_len = s.generated_tokens / max(s.decode_steps * batch_size, 1)
+        return BenchResult(
+            shape, batch_size, prompt_len, new_tokens, spec_name, k, rate, dtype, prefill_s, decode_s, s.decode_steps, s.generated_tokens,
+            tps, step_ms, acc, mean_len, floor, 1000 * floor_step, batch_size / floor_step,
+            (1000 * floor_step) / step_ms if step_ms else 0.0,
+            tps / base.decode_tokens_per_s if base else None, step_ms / base.step_ms if base else None, kernels,
+        )
+
+    engine = LLMEngine(model, base_config)
+    requests, prefill_s, decode_s = _timed_generate(engine, prompts, params, device)
+    base = result(engine, "none", 0, None, prefill_s, decode_s, None)
+    results = [base]
+    if spec == "none":
+        return results
+    continuations = [r.output_token_ids for r in requests]
+    for rate in corrupt_rates if spec == "oracle" else (None,):
+        engine = LLMEngine(model, replace(base_config, spec=spec, num_draft_tokens=num_draft_tokens))
+        if spec == "oracle":
+            engine.spec.set_continuations({i: c for i, c in enumerate(continuations)}, rate, seed)
+        reqs, prefill_s, decode_s = _timed_generate(engine, prompts, params, device)
+        if [r.output_token_ids for r in reqs] != continuations:
+            raise AssertionError(f"{spec} k={num_draft_tokens} changed the greedy output")
+        results.append(result(engine, spec, num_draft_tokens, rate, prefill_s, decode_s, base))
+    return results
 
 
 def environment() -> dict:
