@@ -22,7 +22,7 @@ import torch
 from freetoken.errors import FreetokenError
 from freetoken.kernels import attention_ref, batched, linear_ref, norm_ref
 from freetoken.kernels.attention_ref import paged_attention, store_kv
-from freetoken.kernels.batched import SeqBatch
+from freetoken.kernels.batched import SeqBatch, seq_batch
 from freetoken.kernels.conv_ref import causal_conv1d
 from freetoken.kernels.gdn_ref import gdn_recurrent
 from freetoken.kernels.rope_ref import apply_rope
@@ -128,6 +128,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_batched",
     "rms_norm",
+    "seq_batch",
     "store_kv",
     "use_triton",
     "zc_rms_norm",

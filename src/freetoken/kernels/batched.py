@@ -39,9 +39,10 @@ class SeqBatch:
 
     def with_rows(self, num_rows: list[int]) -> SeqBatch:
         """The same sequences with the first num_rows[i] rows each, packed (the commit replay's batch)."""
-        starts = [0]
-        for n in num_rows[:-1]:
-            starts.append(starts[-1] + n)
+        starts, total = [], 0
+        for n in num_rows:
+            starts.append(total)
+            total += n
         return SeqBatch(tuple(starts), tuple(num_rows), self.num_cached, self.state_slots, self.block_tables, self.device)
 
     @property
@@ -147,3 +148,12 @@ def gdn_recurrent_batched(
         if compute_output:
             out[rows] = o
     return out
+
+
+def seq_batch(ctx) -> SeqBatch:
+    """The batch layout of a ForwardContext, built on first use and kept on the context for its other layers."""
+    seqs, batch = ctx.__dict__.get("_seq_batch", (None, None))
+    if seqs is not ctx.seqs:
+        batch = SeqBatch.from_seqs(ctx.seqs, ctx.input_ids.device)
+        ctx.__dict__["_seq_batch"] = (ctx.seqs, batch)
+    return batch

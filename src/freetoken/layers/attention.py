@@ -40,9 +40,6 @@ class GatedAttention(nn.Module):
         k = kernels.apply_rope(self.k_norm(k), ctx.positions, inv_freq)
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
         kernels.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = torch.empty_like(q)
-        for seq in ctx.seqs:
-            context_lens = [seq.num_cached_tokens + i + 1 for i in range(seq.num_rows)]
-            out[seq.rows] = kernels.paged_attention(q[seq.rows], k_cache, v_cache, seq.block_table, context_lens, ctx.kv.block_size, self.scale)
+        out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale)
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

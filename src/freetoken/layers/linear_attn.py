@@ -5,8 +5,9 @@ g = -exp(A_log) * softplus(a + dt_bias); the delta-rule recurrence with fp32 sta
 with z; out_proj. Value head j reads key head j // (Hv / Hk).
 
 State handling (DESIGN.md invariant 4): in EXTEND mode the conv window and recurrent state advance
-in place; in VERIFY mode they are only read (the recurrence runs on a scratch copy) and each row's
-inputs are stashed; `commit` replays the accepted rows through the same recurrence.
+in place; in VERIFY mode they are only read and each row's inputs are stashed; `commit` replays the
+accepted rows through the same batched recurrence and convolution. Each op covers all sequences of
+the step in one call (one kernel launch on the GPU).
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ class GatedDeltaNet(nn.Module):
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         return q, k, v, g, beta
 
+    def _batch_recurrence_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: kernels.SeqBatch):
+        """_recurrence_inputs over the whole step. On CPU, torch computes exp/sigmoid differently for
+        elements in its vector body and its scalar tail, so a row's bits depend on its position in
+        the tensor: there it goes sequence by sequence, exactly as the per-sequence path did. CUDA
+        elementwise kernels treat every element alike."""
+        if conv_out.is_cuda:
+            return self._recurrence_inputs(conv_out, a, b)
+        parts = [self._recurrence_inputs(conv_out[r], a[r], b[r]) for r in map(batch.rows, range(batch.num_seqs))]
+        return tuple(torch.cat(p) for p in zip(*parts))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
         mixed_qkv = self.in_proj_qkv(x)
@@ -63,24 +74,18 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_b(x), self.in_proj_a(x)
         conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
+        batch = kernels.seq_batch(ctx)
         verify = ctx.mode is ForwardMode.VERIFY
-        stash = GDNStash() if verify else None
-        core = torch.empty(n, self.num_v_heads, self.v_head_dim, dtype=x.dtype, device=x.device)
-        for seq in ctx.seqs:
-            rows = mixed_qkv[seq.rows]
-            window = state.conv[self.state_index, seq.state_slot]
-            conv_out, new_window = kernels.causal_conv1d(window, rows, conv_weight)
-            q, k, v, g, beta = self._recurrence_inputs(conv_out, a[seq.rows], b[seq.rows])
-            recurrent = state.recurrent[self.state_index, seq.state_slot]
-            if verify:
-                out = kernels.gdn_recurrent(recurrent.clone(), q, k, v, g, beta)
-                for name, value in (("conv_rows", rows), ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-                    getattr(stash, name).append(value)
-            else:
-                out = kernels.gdn_recurrent(recurrent, q, k, v, g, beta)
-                window.copy_(new_window)
-            core[seq.rows] = out.to(x.dtype)
+        conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
+        conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=not verify)
+        q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+        core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=not verify).to(x.dtype)
         if verify:
+            stash = GDNStash()
+            for i in range(batch.num_seqs):
+                rows = batch.rows(i)
+                for name, value in (("conv_rows", mixed_qkv), ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+                    getattr(stash, name).append(value[rows])
             ctx.stash[self.state_index] = stash
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y)
@@ -89,11 +94,12 @@ class GatedDeltaNet(nn.Module):
         """Fold the first accepted_rows[i] verify rows of each sequence into its live state."""
         stash = ctx.stash[self.state_index]
         state = ctx.linear_state
-        for i, (seq, n) in enumerate(zip(ctx.seqs, accepted_rows)):
-            if n == 0:
-                continue
-            recurrent = state.recurrent[self.state_index, seq.state_slot]
-            kernels.gdn_recurrent(recurrent, stash.q[i][:n], stash.k[i][:n], stash.v[i][:n], stash.g[i][:n], stash.beta[i][:n], compute_output=False)
-            window = state.conv[self.state_index, seq.state_slot]
-            full = torch.cat([window, stash.conv_rows[i][:n].to(window.dtype)], dim=0)
-            window.copy_(full[n:])
+        replay = kernels.seq_batch(ctx).with_rows(list(accepted_rows))
+
+        def accepted(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([part[:n] for part, n in zip(parts, accepted_rows)])
+
+        q, k, v, g, beta = (accepted(getattr(stash, name)) for name in ("q", "k", "v", "g", "beta"))
+        kernels.gdn_recurrent_batched(state.recurrent[self.state_index], q, k, v, g, beta, replay, compute_output=False)
+        conv_weight = self.conv1d.weight[:, 0, :]
+        kernels.causal_conv1d_batched(state.conv[self.state_index], accepted(stash.conv_rows), conv_weight, replay)

@@ -1,8 +1,9 @@
 """Sparse MoE block: softmax router, top-k renormalised, fused experts, sigmoid-gated shared expert.
 
-Each token is routed and computed on its own (expert products are per-row), and its expert outputs
-are summed in ascending expert order in fp32, so a token's result does not depend on which other
-tokens share the step.
+Experts run one at a time over all the tokens routed to them (one row-invariant linear per expert
+and projection, not one per token). Expert outputs are accumulated in fp32 in ascending expert
+order, which for every token is the ascending order of its own experts, so a token's result does
+not depend on which other tokens share the step.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken import kernels
 from freetoken.layers.basic import MLP, Linear, _empty
 
 
@@ -21,11 +23,11 @@ class FusedExperts(nn.Module):
         self.down_proj = _empty(num_experts, hidden_size, intermediate_size)
         self.intermediate_size = intermediate_size
 
-    def forward_one(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x [1, H] through expert `expert` -> [1, H]."""
-        gate_up = F.linear(x, self.gate_up_proj[expert])
+    def forward_rows(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [n, H] through expert `expert` -> [n, H]."""
+        gate_up = kernels.linear(x, self.gate_up_proj[expert])
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return F.linear(F.silu(gate) * up, self.down_proj[expert])
+        return kernels.linear(F.silu(gate) * up, self.down_proj[expert])
 
 
 class SparseMoE(nn.Module):
@@ -39,16 +41,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         router_probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        weights, experts = torch.topk(router_probs, self.top_k, dim=-1)
+        weights, experts = torch.topk(router_probs, self.top_k, dim=-1)  # [N, top_k]
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        routed = []
-        for i in range(x.shape[0]):
-            order = torch.argsort(experts[i])
-            acc = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
-            for j in order.tolist():
-                expert = int(experts[i, j])
-                acc = acc + (self.experts.forward_one(x[i : i + 1], expert) * weights[i, j]).float()
-            routed.append(acc)
-        routed_out = torch.cat(routed).to(x.dtype) if routed else torch.zeros_like(x)
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in torch.unique(experts).tolist():  # ascending
+            tokens, slot = (experts == expert).nonzero(as_tuple=True)
+            y = self.experts.forward_rows(x[tokens], expert)
+            acc[tokens] = acc[tokens] + (y * weights[tokens, slot][:, None]).float()
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed_out + shared
+        return acc.to(x.dtype) + shared
