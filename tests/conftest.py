@@ -9,7 +9,8 @@ makes the zero-centred norms, the GDN output norm, conv and decay parameters nea
 (architectures.md §8.3, gotcha 6), so every tensor is redrawn with fixture-like statistics first.
 
 Layout: FIXTURES, TinySpec, hf_text_config, random_state, write_hf_checkpoint, convert_unified,
-load_unified, run_rows (one engine-path forward), hf_model_from_dir.
+load_unified, hf_model_from_dir, hf_logits, run_rows (one engine-path forward), our_mtp_logits,
+fixture_refs, and session fixtures for converted checkpoints.
 """
 
 from __future__ import annotations
@@ -230,6 +231,17 @@ def run_rows(model, ids: list[int], *, block_size: int = 16):
     slot = engine.state_pool.allocate()
     ctx = build_context([RowGroup(table, slot, 0, list(ids))], ForwardMode.EXTEND, engine.kv_pool, engine.state_pool, engine.device)
     return model(ctx), engine, table
+
+
+@torch.no_grad()
+def our_mtp_logits(model, ids: list[int]) -> torch.Tensor:
+    """Target rows, then every pair (h_t, x_{t+1}) through the MTP head as one sequence -> [T-1, V]."""
+    from freetoken.engine.runner import RowGroup, build_context
+    from freetoken.forward_context import ForwardMode
+
+    hidden, engine, table = run_rows(model, ids)
+    ctx = build_context([RowGroup(table, None, 0, ids[1:])], ForwardMode.EXTEND, engine.kv_pool, None, engine.device)
+    return model.mtp.compute_logits(model.mtp(ctx, hidden[:-1]))
 
 
 def fixture_refs(model: str, which: str = "hf_transformers") -> dict[str, torch.Tensor]:

@@ -18,8 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from freetoken.converters.gguf import convert_gguf
-from tests.conftest import FIXTURE_MODELS, FIXTURES, fixture_refs, load_unified, num_sequences, run_rows
-from tests.models.test_mtp import our_mtp_logits
+from tests.conftest import FIXTURE_MODELS, FIXTURES, fixture_refs, load_unified, num_sequences, our_mtp_logits, run_rows
 
 TOL = 1e-4
 

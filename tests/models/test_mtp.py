@@ -16,10 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from freetoken.engine.runner import RowGroup, build_context
 from freetoken.errors import FreetokenError
-from freetoken.forward_context import ForwardMode
-from tests.conftest import FIXTURE_MODELS, TinySpec, fixture_refs, hf_model_from_dir, load_unified, num_sequences, run_rows
+from tests.conftest import FIXTURE_MODELS, TinySpec, fixture_refs, hf_model_from_dir, load_unified, num_sequences, our_mtp_logits
 
 TOL = 1e-4
 SEQS = [[17, 3, 200, 41, 8, 8, 120], [i * 37 % 256 for i in range(21)]]
@@ -49,13 +47,6 @@ def hf_mtp_logits(hf, mtp, ids: list[int]) -> torch.Tensor:
     hidden = hf(x, output_hidden_states=True).hidden_states[-1]  # [1, T, H] post-norm
     out = mtp.forward_layer(0, hidden[:, :-1], torch.arange(1, len(ids))[None], None, input_ids=x[:, 1:])
     return mtp._project_to_logits(out)[0].float()
-
-
-@torch.no_grad()
-def our_mtp_logits(model, ids: list[int]) -> torch.Tensor:
-    hidden, engine, table = run_rows(model, ids)
-    ctx = build_context([RowGroup(table, None, 0, ids[1:])], ForwardMode.EXTEND, engine.kv_pool, None, engine.device)
-    return model.mtp.compute_logits(model.mtp(ctx, hidden[:-1]))
 
 
 def _mtp_source_tensors(hf_dir) -> dict[str, torch.Tensor]:
