@@ -32,3 +32,4 @@ MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, h
 NumDraftOpt = Annotated[int, typer.Option("--num-draft-tokens", "-k", min=1, help="Drafts per verify step (k).")]
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Requests running at once.")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", min=1, help="CPU threads for torch (1 is fastest for small models).")]
+TensorParallelOpt = Annotated[int, typer.Option("--tensor-parallel", min=1, help="Processes sharing the model (one per GPU; gloo on CPU, NCCL on CUDA). Only rank 0 writes.")]

@@ -1,4 +1,8 @@
-"""`freetoken bench --shape qwen3.5-9b`: decode speed of a random-weight model of a real shape."""
+"""`freetoken bench --shape qwen3.5-9b`: decode speed of a random-weight model of a real shape.
+
+With `--tensor-parallel N` every batch size runs on N worker processes; rank 0's timings are
+reported and written.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, console
+from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, TensorParallelOpt, console
 
 
 def bench(
@@ -22,6 +26,7 @@ def bench(
     device: DeviceOpt = "cuda",
     dtype: DTypeOpt = DType.bfloat16,
     out: Annotated[Optional[Path], typer.Option("--out", help="JSON results file (default bench/results/<shape>-<spec>.json).")] = None,
+    tensor_parallel: TensorParallelOpt = 1,
 ) -> None:
     """Benchmark decode on a random-weight model of a real shape; reports the bandwidth floor."""
     from rich.table import Table
@@ -35,13 +40,16 @@ def bench(
         raise FreetokenError(f"unknown --spec {spec!r} (none, mtp, oracle)")
     if spec != "none" and num_draft_tokens < 1:
         raise FreetokenError(f"--spec {spec} needs --num-draft-tokens >= 1")
-    results = [
-        r
-        for b in batch_size
-        for r in run_bench(shape, batch_size=b, prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
-                           corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value)
-    ]
-    table = Table(title=f"freetoken bench {shape} ({dtype.value}, {device})")
+    kwargs = dict(prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
+                  corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value)
+    if tensor_parallel == 1:
+        results = [r for b in batch_size for r in run_bench(shape, batch_size=b, **kwargs)]
+    else:
+        from freetoken.distributed.launch import launch
+
+        results = launch(bench_rank, tensor_parallel, shape, list(batch_size), kwargs, device=device)[0]
+    tp = f", tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else ""
+    table = Table(title=f"freetoken bench {shape} ({dtype.value}, {device}{tp})")
     for col in ("batch", "spec", "decode tok/s", "step ms", "floor step ms", "fraction of floor", "accept/pos", "tok/step", "speedup", "step cost"):
         table.add_column(col)
     for r in results:
@@ -53,3 +61,10 @@ def bench(
     path = out or Path("bench/results") / f"{shape}-{spec}.json"
     write_results(path, "freetoken " + " ".join(sys.argv[1:]), results)
     console.print(f"wrote {path}")
+
+
+def bench_rank(parallel, shape: str, batch_sizes: list[int], kwargs: dict) -> list:
+    """One rank's share of the benchmark: every rank runs every batch size in step."""
+    from freetoken.bench import run_bench
+
+    return [r for b in batch_sizes for r in run_bench(shape, batch_size=b, parallel=parallel, **kwargs)]

@@ -1,15 +1,21 @@
-"""`freetoken generate [MODEL]`: offline batch generation with progress and a summary table."""
+"""`freetoken generate [MODEL]`: offline batch generation with progress and a summary table.
+
+The command parses its options into a `GenerateJob` and runs `run_job` in this process, or, with
+`--tensor-parallel N`, on N worker processes (freetoken.distributed.launch), each holding a shard of
+the model and producing the same tokens; only rank 0 shows progress and writes.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from freetoken.cli._options import (
-    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, ThreadsOpt, console,
+    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, TensorParallelOpt, ThreadsOpt, console,
 )
 
 DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def __init__(self):"]
@@ -35,17 +41,13 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the checkpoint's chat template.")] = False,
     threads: ThreadsOpt = 1,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", help="Write the run statistics (with command, commit, date) as JSON here.")] = None,
+    tensor_parallel: TensorParallelOpt = 1,
 ) -> None:
     """Generate completions for a batch of prompts."""
-    import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from freetoken.cli.prompts import read_prompts
     from freetoken.engine.config import EngineConfig
-    from freetoken.llm import LLM
     from freetoken.sampling import SamplingParams
 
-    torch.set_num_threads(threads)
     texts = read_prompts(prompt, prompts, default=DEFAULT_PROMPTS)
     k = (num_draft_tokens or 3) if spec is Spec.mtp else 0
     if spec is Spec.none and num_draft_tokens:
@@ -53,22 +55,67 @@ def generate(
 
         raise FreetokenError("--num-draft-tokens needs --spec mtp")
     config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, spec=spec.value, num_draft_tokens=k, seed=seed,
-                          max_model_len=8192)
+                          max_model_len=8192, tensor_parallel=tensor_parallel)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-    llm = LLM(model, config)
-    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("generate", total=len(texts))
-        completions, stats = llm.generate(texts, params, chat=chat, on_step=lambda done: bar.advance(task, len(done)))
+    run_parallel(run_job, GenerateJob(model, texts, config, params, chat, out, stats_json, threads))
 
-    if out is not None:
-        _write_jsonl(out, completions)
+
+@dataclass(frozen=True)
+class GenerateJob:
+    model: str | None
+    texts: list[str]
+    config: Any  # EngineConfig
+    params: Any  # SamplingParams
+    chat: bool
+    out: Path | None
+    stats_json: Path | None
+    threads: int
+
+
+def run_parallel(fn, job) -> list:
+    """fn(ParallelContext, job) here, or on job.config.tensor_parallel workers -> per-rank results.
+
+    The checkpoint is resolved (an HF or GGUF source converted into the cache) once, before any
+    worker starts, so ranks never convert concurrently.
+    """
+    import dataclasses
+
+    from freetoken.distributed import SINGLE
+
+    n = job.config.tensor_parallel
+    if n == 1:
+        return [fn(SINGLE, job)]
+    from freetoken.distributed.launch import launch
+    from freetoken.llm import resolve_checkpoint
+
+    job = dataclasses.replace(job, model=str(resolve_checkpoint(job.model)))
+    return launch(fn, n, job, device=job.config.device)
+
+
+def run_job(parallel, job: GenerateJob) -> None:
+    """One rank's share of `freetoken generate`: every rank generates, rank 0 reports and writes."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from freetoken.llm import LLM
+
+    torch.set_num_threads(job.threads)
+    llm = LLM(job.model, job.config, parallel=parallel)
+    lead = parallel.rank == 0
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True, disable=not lead) as bar:
+        task = bar.add_task("generate", total=len(job.texts))
+        completions, stats = llm.generate(job.texts, job.params, chat=job.chat, on_step=lambda done: bar.advance(task, len(done)))
+    if not lead:
+        return
+    if job.out is not None:
+        _write_jsonl(job.out, completions)
     else:
         for c in completions:
             typer.echo(json.dumps({"prompt": c.prompt, "completion": c.text}, ensure_ascii=False))
     console.print(summary_table(stats))
-    if stats_json is not None:
-        _write_stats(stats_json, stats, llm, config)
+    if job.stats_json is not None:
+        _write_stats(job.stats_json, stats, llm, job.config)
 
 
 def _write_stats(path: Path, stats, llm, config) -> None:

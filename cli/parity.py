@@ -1,18 +1,20 @@
 """`freetoken parity [MODEL] --spec mtp`: greedy with vs without speculative decoding, token by token.
 
-Exits 1 on any mismatch and shows the first divergence. Meant for CI.
+Exits 1 on any mismatch and shows the first divergence. Meant for CI. With `--tensor-parallel N`
+both runs use N processes (the same parallel degree); rank 0 reports.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, ThreadsOpt, console
-from freetoken.cli.generate import DEFAULT_PROMPTS
+from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, TensorParallelOpt, ThreadsOpt, console
+from freetoken.cli.generate import DEFAULT_PROMPTS, run_parallel
 
 PARITY_PROMPTS = DEFAULT_PROMPTS + [
     "import json", "for i in range(10):", "    return self", "def main():\n    args = parse_args()",
@@ -33,37 +35,70 @@ def parity(
     against: Annotated[str, typer.Option("--against", help="'none' (spec vs no-spec) or 'hf' (greedy vs transformers).")] = "none",
     json_report: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON here.")] = None,
     threads: ThreadsOpt = 1,
+    tensor_parallel: TensorParallelOpt = 1,
 ) -> None:
     """Check that speculative decoding leaves greedy outputs unchanged."""
-    import torch
-    from rich.table import Table
-
     from freetoken.cli.prompts import read_prompts
     from freetoken.engine.config import EngineConfig
     from freetoken.errors import FreetokenError
-    from freetoken.llm import LLM
 
-    torch.set_num_threads(threads)
     texts = read_prompts(prompt, prompts, default=PARITY_PROMPTS)
     if spec is Spec.none and against != "hf":
         raise FreetokenError("parity needs a spec method (--spec mtp) or --against hf")
-    config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, spec=spec.value, num_draft_tokens=max(num_draft_tokens), max_model_len=8192)
-    llm = LLM(model, config)
-    ids = [llm.encode(t) for t in texts]
+    if against not in ("none", "hf"):
+        raise FreetokenError(f"--against must be 'none' or 'hf', not {against!r}")
+    if against == "hf" and tensor_parallel > 1:
+        raise FreetokenError("--against hf runs transformers in one process; drop --tensor-parallel")
+    config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, spec=spec.value, num_draft_tokens=max(num_draft_tokens),
+                          max_model_len=8192, tensor_parallel=tensor_parallel)
+    job = ParityJob(model, texts, config, spec.value, tuple(num_draft_tokens), max_new_tokens, against, json_report, threads)
+    if not run_parallel(run_job, job)[0]:
+        raise typer.Exit(1)
+
+
+@dataclass(frozen=True)
+class ParityJob:
+    model: str | None
+    texts: list[str]
+    config: Any  # EngineConfig
+    spec: str
+    num_draft_tokens: tuple[int, ...]
+    max_new_tokens: int
+    against: str
+    json_report: Path | None
+    threads: int
+
+
+def run_job(parallel, job: ParityJob) -> bool:
+    """One rank's share of `freetoken parity` -> whether every run passed; rank 0 reports."""
+    import torch
+
+    from freetoken.llm import LLM
+
+    torch.set_num_threads(job.threads)
+    llm = LLM(job.model, job.config, parallel=parallel)
+    ids = [llm.encode(t) for t in job.texts]
     results = []
-    if against == "hf":
+    if job.against == "hf":
         from freetoken.parity_hf import compare_with_hf
 
-        results.append(("hf", compare_with_hf(llm, ids, max_new_tokens)))
-    elif against == "none":
+        results.append(("hf", compare_with_hf(llm, ids, job.max_new_tokens)))
+    else:
         from freetoken.parity import compare_greedy
 
-        for k in num_draft_tokens:
-            results.append((f"k={k}", compare_greedy(llm, ids, max_new_tokens, k, spec.value)))
-    else:
-        raise FreetokenError(f"--against must be 'none' or 'hf', not {against!r}")
+        for k in job.num_draft_tokens:
+            results.append((f"k={k}", compare_greedy(llm, ids, job.max_new_tokens, k, job.spec)))
+    if parallel.rank == 0:
+        print_report(results, job)
+    return all(r.passed for _, r in results)
 
-    table = Table(title=f"freetoken parity ({dtype.value}, {device})")
+
+def print_report(results: list, job: ParityJob) -> None:
+    from rich.table import Table
+
+    texts, config = job.texts, job.config
+    tp = f", tensor-parallel {config.tensor_parallel}" if config.tensor_parallel > 1 else ""
+    table = Table(title=f"freetoken parity ({config.dtype}, {config.device}{tp})")
     for col in ("run", "prompts", "tokens", "identical", "accept/pos", "mean accepted len", "result"):
         table.add_column(col)
     for name, report in results:
@@ -82,7 +117,5 @@ def parity(
             f"[red]{name}: first divergence[/] prompt {d.prompt_index} ({texts[d.prompt_index][:40]!r}), "
             f"generated position {d.position}: expected token {d.expected}, got {d.actual}; target top-2 logit margin {margin}"
         )
-    if json_report is not None:
-        json_report.write_text(json.dumps({name: r.to_dict() for name, r in results}, indent=2))
-    if failed:
-        raise typer.Exit(1)
+    if job.json_report is not None:
+        job.json_report.write_text(json.dumps({name: r.to_dict() for name, r in results}, indent=2))

@@ -2,7 +2,9 @@
 
 `run_bench` times prefill and decode separately and reports decode tokens/s next to the
 memory-bandwidth floor of a decode step: every active weight byte read once, plus the KV cache and
-the GDN state (read and written), over the measured copy bandwidth of the GPU.
+the GDN state (read and written), over the measured copy bandwidth of the GPU. Under tensor
+parallelism (`parallel`) each rank holds its shard; the weights are drawn whole, in the same order,
+so every degree runs the same model, and the floor is that of one rank's bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.engine.config import EngineConfig
 from freetoken.models.qwen3_5.config import Qwen35Config
 from freetoken.sampling import SamplingParams
@@ -49,26 +52,42 @@ SHAPES: dict[str, Qwen35Config] = {
 
 
 @torch.no_grad()
-def random_model(cfg: Qwen35Config, device: str, dtype: torch.dtype, with_mtp: bool, seed: int = 0):
+def random_model(cfg: Qwen35Config, device: str, dtype: torch.dtype, with_mtp: bool, seed: int = 0, parallel: ParallelContext = SINGLE):
     """A model of cfg's shape with seeded random weights of sensible scale (no branch is an identity)."""
+    from freetoken.distributed.sharding import read_shard, shard_spec_of
     from freetoken.models.loader import build_empty
 
-    model = build_empty("qwen3_5", cfg.to_dict(), with_mtp=with_mtp, device=device, dtype=dtype)
+    model = build_empty("qwen3_5", cfg.to_dict(), with_mtp=with_mtp, device=device, dtype=dtype, parallel=parallel)
+    full_shapes = {}
+    if parallel.is_parallel:
+        from freetoken.models.qwen3_5.model import Qwen35ForCausalLM
+
+        with torch.device("meta"):
+            full_shapes = {n: p.shape for n, p in Qwen35ForCausalLM(cfg, with_mtp).named_parameters()}
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.copy_(torch.log(torch.rand(p.shape, generator=gen, device=device) * 15 + 1))
-        elif name.endswith("dt_bias"):
-            p.fill_(1.0)
-        elif name.endswith("linear_attn.norm.weight"):
-            p.fill_(1.0)
-        elif p.ndim == 1:
-            p.normal_(0.0, 0.1, generator=gen)
-        elif name.endswith("conv1d.weight"):
-            p.normal_(0.0, 0.3, generator=gen)
-        else:
-            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    for name, shard in model.named_parameters():
+        spec = shard_spec_of(model, name) if parallel.is_parallel else None
+        p = shard if spec is None else torch.empty(full_shapes[name], dtype=dtype, device=device)
+        _fill(name, p, gen, device)
+        if spec is not None:
+            shard.copy_(read_shard({name: p}, name, spec))
     return model
+
+
+def _fill(name: str, p: torch.Tensor, gen: torch.Generator, device: str) -> None:
+    """Draw parameter `name` (its whole tensor p) from gen by the rule for its kind."""
+    if name.endswith("A_log"):
+        p.copy_(torch.log(torch.rand(p.shape, generator=gen, device=device) * 15 + 1))
+    elif name.endswith("dt_bias"):
+        p.fill_(1.0)
+    elif name.endswith("linear_attn.norm.weight"):
+        p.fill_(1.0)
+    elif p.ndim == 1:
+        p.normal_(0.0, 0.1, generator=gen)
+    elif name.endswith("conv1d.weight"):
+        p.normal_(0.0, 0.3, generator=gen)
+    else:
+        p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
 
 
 def decode_floor_bytes(model: torch.nn.Module, cfg: Qwen35Config, batch_size: int, context_len: int, dtype_bytes: int) -> int:
@@ -84,8 +103,10 @@ def decode_floor_bytes(model: torch.nn.Module, cfg: Qwen35Config, batch_size: in
             weights += p.numel() * p.element_size() * active // cfg.num_experts
         else:
             weights += p.numel() * p.element_size()
-    kv = len(cfg.full_attention_layers) * batch_size * context_len * cfg.num_key_value_heads * cfg.head_dim * 2 * dtype_bytes
-    state = len(cfg.linear_attention_layers) * batch_size * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 * 2
+    kv_heads, _ = model.kv_head_shape  # this rank's
+    _, _, (value_heads, _, _) = model.linear_state_shapes
+    kv = len(cfg.full_attention_layers) * batch_size * context_len * kv_heads * cfg.head_dim * 2 * dtype_bytes
+    state = len(cfg.linear_attention_layers) * batch_size * value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 * 2
     return weights + kv + state
 
 
@@ -114,6 +135,7 @@ class BenchResult:
     speedup_vs_no_spec: float | None  # decode tokens/s over the no-spec run of the same invocation
     step_cost_vs_decode: float | None  # step time over the no-spec decode step time
     kernels: str
+    tensor_parallel: int = 1
 
 
 def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, device: str):
@@ -135,14 +157,17 @@ def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, de
 
 
 def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none", num_draft_tokens: int = 0,
-              corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0) -> list[BenchResult]:
-    """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts."""
+              corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0,
+              parallel: ParallelContext = SINGLE) -> list[BenchResult]:
+    """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts (on this rank)."""
     from freetoken.engine.engine import LLMEngine
 
     cfg = SHAPES[shape]
+    if parallel.is_parallel and device.startswith("cuda"):
+        device = f"cuda:{parallel.rank}"
     base_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_num_batched_tokens=max(prompt_len, 256),
-                               max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed)
-    model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed)
+                               max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed, tensor_parallel=parallel.world_size)
+    model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -160,7 +185,7 @@ def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tok
             shape, batch_size, prompt_len, new_tokens, spec_name, k, rate, dtype, prefill_s, decode_s, s.decode_steps, s.generated_tokens,
             tps, step_ms, acc, mean_len, floor, 1000 * floor_step, batch_size / floor_step,
             (1000 * floor_step) / step_ms if step_ms else 0.0,
-            tps / base.decode_tokens_per_s if base else None, step_ms / base.step_ms if base else None, kernels,
+            tps / base.decode_tokens_per_s if base else None, step_ms / base.step_ms if base else None, kernels, parallel.world_size,
         )
 
     engine = LLMEngine(model, base_config)

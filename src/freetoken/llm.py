@@ -4,6 +4,10 @@
 into the cache directory, `FREETOKEN_CACHE` or ~/.cache/freetoken), or None for the small model that
 ships inside the package. It loads the target (and its draft head when a spec method asks for it),
 builds the engine and runs batches of text prompts.
+
+Under tensor parallelism every rank constructs its own `LLM(..., parallel=ctx)` inside a worker
+started by `freetoken.distributed.launch` (the CLI's `--tensor-parallel N` does this): each loads
+its shard, runs the same engine steps and gets the same tokens; the caller lets rank 0 write.
 """
 
 from __future__ import annotations
@@ -77,13 +81,22 @@ class RunStats:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, progress: Callable[[int], None] | None = None):
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, progress: Callable[[int], None] | None = None, parallel=None):
         import torch
 
         from freetoken.checkpoint.reader import UnifiedCheckpoint
+        from freetoken.distributed.context import SINGLE
         from freetoken.models.loader import load_model
 
         self.config = config or EngineConfig()
+        self.parallel = parallel or SINGLE
+        if self.config.tensor_parallel != self.parallel.world_size:
+            raise FreetokenError(
+                f"tensor_parallel={self.config.tensor_parallel} needs that many processes: start them with "
+                "freetoken.distributed.launch (the CLI's --tensor-parallel does)"
+            )
+        if self.parallel.is_parallel and self.config.device.startswith("cuda"):
+            self.config = replace(self.config, device=f"cuda:{self.parallel.rank}")
         self.path = resolve_checkpoint(model, progress)
         self.checkpoint = UnifiedCheckpoint.open(self.path)
         if self.config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -93,7 +106,7 @@ class LLM:
             raise FreetokenError("the checkpoint has no MTP head, so --spec mtp cannot run; use --spec none", self.path)
         self.model = load_model(
             self.checkpoint, self.checkpoint.family, self.checkpoint.config, with_mtp=wants_mtp,
-            device=self.config.device, dtype=self.config.torch_dtype, origin=str(self.path),
+            device=self.config.device, dtype=self.config.torch_dtype, origin=str(self.path), parallel=self.parallel,
         )
         self.tokenizer = None
         if self.checkpoint.tokenizer_path is not None:

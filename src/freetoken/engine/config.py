@@ -17,13 +17,14 @@ class EngineConfig:
     spec: str = "none"  # none | mtp
     num_draft_tokens: int = 0
     seed: int = 0
+    tensor_parallel: int = 1  # processes sharing the model (one per GPU); see freetoken.distributed
 
     def __post_init__(self):
         from freetoken.errors import FreetokenError
 
         if self.spec == "none" and self.num_draft_tokens:
             raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp)")
-        if self.num_draft_tokens < 0 or self.max_num_seqs < 1 or self.block_size < 1:
+        if self.num_draft_tokens < 0 or self.max_num_seqs < 1 or self.block_size < 1 or self.tensor_parallel < 1:
             raise FreetokenError("engine sizes must be positive")
 
     @property

@@ -2,6 +2,10 @@
 
 q_proj yields [query_h ; gate_h] per head; q and k get a zero-centred RMSNorm per head and partial
 NeoX RoPE; the attention output is multiplied by sigmoid(gate) before o_proj.
+
+Across ranks the query heads are split evenly (q_proj by output, o_proj by input) and so are the KV
+heads; when there are fewer KV heads than ranks, each KV head is replicated on the ranks whose
+query heads read it.
 """
 
 from __future__ import annotations
@@ -10,19 +14,35 @@ import torch
 from torch import nn
 
 from freetoken import kernels
+from freetoken.distributed.context import SINGLE, ParallelContext
+from freetoken.errors import FreetokenError
 from freetoken.forward_context import ForwardContext
 from freetoken.kernels.rope_ref import rope_inv_freq
-from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
+from freetoken.layers.basic import ZeroCenteredRMSNorm
+from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
+
+def kv_head_range(num_kv_heads: int, parallel: ParallelContext) -> tuple[int, int]:
+    """The KV heads this rank holds: an even split, or one replicated head when ranks outnumber them."""
+    if num_kv_heads % parallel.world_size == 0:
+        return parallel.split(num_kv_heads, "KV heads")
+    if parallel.world_size % num_kv_heads == 0:
+        head = parallel.rank // (parallel.world_size // num_kv_heads)
+        return head, head + 1
+    raise FreetokenError(f"--tensor-parallel {parallel.world_size} neither divides nor is a multiple of the KV heads ({num_kv_heads})")
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float, eps: float, kv_index: int):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float, eps: float, kv_index: int, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = Linear(hidden_size, num_heads * head_dim * 2)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size)
+        h0, h1 = parallel.split(num_heads, "attention heads")
+        kv0, kv1 = kv_head_range(num_kv_heads, parallel)
+        self.num_heads, self.num_kv_heads, self.head_dim = h1 - h0, kv1 - kv0, head_dim
+        kv_rows = ((kv0 * head_dim, kv1 * head_dim),)
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim * 2, parallel, ((h0 * 2 * head_dim, h1 * 2 * head_dim),))
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, parallel, kv_rows)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, parallel, kv_rows)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, parallel, ((h0 * head_dim, h1 * head_dim),))
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.rotary_dim, self.rope_theta = rotary_dim, rope_theta

@@ -58,13 +58,17 @@ class GatedRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); gate/up split by output and down by input across ranks."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel=None):
+        from freetoken.distributed.context import SINGLE
+        from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        parallel = parallel or SINGLE
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

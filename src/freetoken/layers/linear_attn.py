@@ -8,6 +8,11 @@ State handling (DESIGN.md invariant 4): in EXTEND mode the conv window and recur
 in place; in VERIFY mode they are only read and each row's inputs are stashed; `commit` replays the
 accepted rows through the same batched recurrence and convolution. Each op covers all sequences of
 the step in one call (one kernel launch on the GPU).
+
+Across ranks the key heads and the value heads are split evenly (value head j reads key head
+j // (Hv / Hk), so a rank's value heads read only its own key heads); the fused [q | k | v]
+projection and the convolution keep the rank's part of each third, and the state pool holds only
+the rank's heads and channels.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
+from freetoken.distributed.context import SINGLE, ParallelContext
+from freetoken.distributed.sharding import ShardSpec
 from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
-from freetoken.layers.basic import GatedRMSNorm, Linear, _empty
+from freetoken.layers.basic import GatedRMSNorm, _empty
+from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -27,22 +35,33 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int, eps: float, state_index: int, gate_act: str = "silu"):
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int, eps: float, state_index: int, gate_act: str = "silu", parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        k0, k1 = parallel.split(num_k_heads, "GDN key heads")
+        v0, v1 = parallel.split(num_v_heads, "GDN value heads")
+        self.num_k_heads, self.num_v_heads = k1 - k0, v1 - v0
         self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
-        self.key_dim = num_k_heads * k_head_dim
-        self.conv_dim = 2 * self.key_dim + num_v_heads * v_head_dim
-        self.in_proj_qkv = Linear(hidden_size, self.conv_dim)
-        self.in_proj_z = Linear(hidden_size, num_v_heads * v_head_dim)
-        self.in_proj_b = Linear(hidden_size, num_v_heads)
-        self.in_proj_a = Linear(hidden_size, num_v_heads)
+        self.key_dim = self.num_k_heads * k_head_dim
+        self.conv_dim = 2 * self.key_dim + self.num_v_heads * v_head_dim
+        full_key_dim = num_k_heads * k_head_dim
+        qkv_rows = (  # this rank's rows of each third of [q | k | v]
+            (k0 * k_head_dim, k1 * k_head_dim),
+            (full_key_dim + k0 * k_head_dim, full_key_dim + k1 * k_head_dim),
+            (2 * full_key_dim + v0 * v_head_dim, 2 * full_key_dim + v1 * v_head_dim),
+        )
+        self.in_proj_qkv = ColumnParallelLinear(hidden_size, 2 * full_key_dim + num_v_heads * v_head_dim, parallel, qkv_rows)
+        self.in_proj_z = ColumnParallelLinear(hidden_size, num_v_heads * v_head_dim, parallel, ((v0 * v_head_dim, v1 * v_head_dim),))
+        self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads, parallel, ((v0, v1),))
+        self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads, parallel, ((v0, v1),))
         self.conv1d = nn.Module()
         self.conv1d.weight = _empty(self.conv_dim, 1, conv_kernel)
-        self.A_log = _empty(num_v_heads)
-        self.dt_bias = _empty(num_v_heads)
+        self.A_log = _empty(self.num_v_heads)
+        self.dt_bias = _empty(self.num_v_heads)
         self.norm = GatedRMSNorm(v_head_dim, eps, gate_act)
-        self.out_proj = Linear(num_v_heads * v_head_dim, hidden_size)
+        self.out_proj = RowParallelLinear(num_v_heads * v_head_dim, hidden_size, parallel, ((v0 * v_head_dim, v1 * v_head_dim),))
+        if parallel.is_parallel:
+            self.conv1d.shard_specs = {"weight": ShardSpec(0, qkv_rows)}
+            self.shard_specs = {"A_log": ShardSpec(0, ((v0, v1),)), "dt_bias": ShardSpec(0, ((v0, v1),))}
         self.state_index = state_index  # which slice of the linear-state pool this layer owns
 
     def _recurrence_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):

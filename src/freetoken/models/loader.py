@@ -3,15 +3,24 @@
 A tensor source is anything with `get(name) -> Tensor` (the unified checkpoint reader, or a dict in
 tests). Parameters are created on the meta device and materialised once on the target device, so a
 large model is never held twice.
+
+With a ParallelContext of N ranks the family builds rank r's shard (its `model` module's
+`build(config, with_mtp, parallel)`), each parameter's module declares which slice it holds
+(`shard_specs`, distributed/sharding.py), and only that slice is read: `source.get_slice` on a
+memory-mapped checkpoint, never the whole tensor.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
+import importlib
+
 import torch
 
-from freetoken.errors import CheckpointError
+from freetoken.distributed.context import SINGLE, ParallelContext
+from freetoken.distributed.sharding import read_shard, shard_spec_of
+from freetoken.errors import CheckpointError, UnsupportedModelError
 from freetoken.models.registry import family_module
 
 
@@ -20,24 +29,34 @@ class TensorSource(Protocol):
         """The tensor stored under canonical name `name`."""
 
 
-def build_empty(family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
-    """The model with uninitialised parameters of `dtype` on `device`."""
+def _build(family: str, config: dict[str, Any], with_mtp: bool, parallel: ParallelContext) -> torch.nn.Module:
+    if not parallel.is_parallel:
+        return family_module(family).build(config, with_mtp)
+    build = getattr(importlib.import_module(family_module(family).__name__ + ".model"), "build", None)
+    if build is None:
+        raise UnsupportedModelError(f"model family {family!r} does not support --tensor-parallel")
+    return build(config, with_mtp, parallel)
+
+
+def build_empty(family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str, dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
+    """The model (this rank's shard of it) with uninitialised parameters of `dtype` on `device`."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = family_module(family).build(config, with_mtp)
+            model = _build(family, config, with_mtp, parallel)
     finally:
         torch.set_default_dtype(previous)
     return model.to_empty(device=device).eval()
 
 
 @torch.no_grad()
-def load_model(source: TensorSource, family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, origin: str | None = None) -> torch.nn.Module:
-    model = build_empty(family, config, with_mtp=with_mtp, device=device, dtype=dtype)
+def load_model(source: TensorSource, family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, origin: str | None = None, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
+    model = build_empty(family, config, with_mtp=with_mtp, device=device, dtype=dtype, parallel=parallel)
     for name, param in model.named_parameters():
+        spec = shard_spec_of(model, name) if parallel.is_parallel else None
         try:
-            tensor = source.get(name)
+            tensor = source.get(name) if spec is None else read_shard(source, name, spec)
         except (KeyError, CheckpointError) as exc:
             raise CheckpointError(f"missing tensor {name}", origin) from exc
         if tuple(tensor.shape) != tuple(param.shape):

@@ -4,6 +4,10 @@ Parameter names are the canonical (Hugging Face text-model) names, so loading is
 copy. Layer i mixes with Gated DeltaNet or gated attention (config.layer_types), then a dense MLP or
 the sparse MoE block; the final zero-centred norm gives the hidden state that feeds lm_head and the
 MTP head.
+
+With a ParallelContext of N ranks every rank holds its shard of each layer (layers/parallel.py):
+heads, experts and the vocabulary are split, norms and routers replicated; the hidden state between
+layers is whole and bitwise the same on every rank, and compute_logits gathers the full vocabulary.
 """
 
 from __future__ import annotations
@@ -11,37 +15,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.forward_context import ForwardContext
-from freetoken.layers.attention import GatedAttention
-from freetoken.layers.basic import MLP, Embedding, Linear, ZeroCenteredRMSNorm
+from freetoken.layers.attention import GatedAttention, kv_head_range
+from freetoken.layers.basic import MLP, ZeroCenteredRMSNorm
 from freetoken.layers.linear_attn import GatedDeltaNet
 from freetoken.layers.moe import SparseMoE
+from freetoken.layers.parallel import ColumnParallelLinear, VocabParallelEmbedding
 from freetoken.models.qwen3_5.config import Qwen35Config
 
 
-def make_mlp(cfg: Qwen35Config) -> nn.Module:
+def make_mlp(cfg: Qwen35Config, parallel: ParallelContext = SINGLE) -> nn.Module:
     if cfg.is_moe:
-        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
-    return MLP(cfg.hidden_size, cfg.intermediate_size)
+        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, parallel)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, parallel)
 
 
-def make_attention(cfg: Qwen35Config, kv_index: int) -> GatedAttention:
-    return GatedAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps, kv_index)
+def make_attention(cfg: Qwen35Config, kv_index: int, parallel: ParallelContext = SINGLE) -> GatedAttention:
+    return GatedAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps, kv_index, parallel)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen35Config, layer_type: str, mixer_index: int):
+    def __init__(self, cfg: Qwen35Config, layer_type: str, mixer_index: int, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if layer_type == "full_attention":
-            self.self_attn = make_attention(cfg, mixer_index)
+            self.self_attn = make_attention(cfg, mixer_index, parallel)
         else:
             self.linear_attn = GatedDeltaNet(
                 cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, mixer_index,
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, mixer_index, parallel=parallel,
             )
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, parallel)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
@@ -50,13 +56,13 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen35Model(nn.Module):
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: Qwen35Config, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         attn_ids = {layer: i for i, layer in enumerate(cfg.full_attention_layers)}
         gdn_ids = {layer: i for i, layer in enumerate(cfg.linear_attention_layers)}
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, kind, attn_ids.get(i, gdn_ids.get(i))) for i, kind in enumerate(cfg.layer_types)
+            DecoderLayer(cfg, kind, attn_ids.get(i, gdn_ids.get(i)), parallel) for i, kind in enumerate(cfg.layer_types)
         )
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -64,15 +70,16 @@ class Qwen35Model(nn.Module):
 class Qwen35ForCausalLM(nn.Module):
     """The target: forward() -> post-norm hidden states, compute_logits() -> fp32 logits."""
 
-    def __init__(self, cfg: Qwen35Config, with_mtp: bool):
+    def __init__(self, cfg: Qwen35Config, with_mtp: bool, parallel: ParallelContext = SINGLE):
         super().__init__()
         from freetoken.models.qwen3_5.mtp import Qwen35MTP
 
         self.config = cfg
-        self.model = Qwen35Model(cfg)
+        self.parallel = parallel
+        self.model = Qwen35Model(cfg, parallel)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.mtp = Qwen35MTP(cfg, self, kv_index=len(cfg.full_attention_layers)) if with_mtp else None
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, parallel)
+        self.mtp = Qwen35MTP(cfg, self, kv_index=len(cfg.full_attention_layers), parallel=parallel) if with_mtp else None
 
     # -- what the runtime needs to size its pools -------------------------------------------------
     @property
@@ -82,16 +89,18 @@ class Qwen35ForCausalLM(nn.Module):
 
     @property
     def kv_head_shape(self) -> tuple[int, int]:
-        return self.config.num_key_value_heads, self.config.head_dim
+        """(KV heads this rank holds, head dim)."""
+        kv0, kv1 = kv_head_range(self.config.num_key_value_heads, self.parallel)
+        return kv1 - kv0, self.config.head_dim
 
     @property
     def linear_state_shapes(self) -> tuple[int, tuple[int, int], tuple[int, int, int]]:
-        """(number of GDN layers, conv window [K-1, C], recurrent state [Hv, Dk, Dv])."""
-        cfg = self.config
+        """(number of GDN layers, conv window [K-1, C], recurrent state [Hv, Dk, Dv]) of this rank's heads."""
+        cfg, w = self.config, self.parallel.world_size
         return (
             len(cfg.linear_attention_layers),
-            (cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
-            (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+            (cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim // w),
+            (cfg.linear_num_value_heads // w, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
         )
 
     @property
@@ -114,13 +123,19 @@ class Qwen35ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
+        """Logits over the whole vocabulary (each rank's slice gathered in rank order)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         from freetoken import kernels
 
-        return kernels.linear(hidden, weight).float()
+        return self.parallel.all_gather(kernels.linear(hidden, weight).float())
 
     def commit(self, ctx: ForwardContext, accepted_rows: list[int]) -> None:
         """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN state."""
         for layer in self.model.layers:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.commit(ctx, accepted_rows)
+
+
+def build(config: dict, with_mtp: bool, parallel: ParallelContext = SINGLE) -> Qwen35ForCausalLM:
+    """The model holding rank `parallel.rank`'s shard (the whole model for one process)."""
+    return Qwen35ForCausalLM(Qwen35Config.from_dict(config), with_mtp=with_mtp, parallel=parallel)

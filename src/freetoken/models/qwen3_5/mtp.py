@@ -7,6 +7,9 @@
 h_t is the target's post-final-norm hidden. The layer has its own paged KV (an extra KV layer of the
 pool, indexed by the target position t of the pair) and is reused for every chained step, whose
 hidden input is the previous step's h'. Embeddings and lm_head are the target's.
+
+Across ranks the head is split like the trunk: the decoder layer by heads/experts, and fc by its
+input features (each rank multiplies its slice of [e ; h] and the partial sums are all-reduced).
 """
 
 from __future__ import annotations
@@ -14,21 +17,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.forward_context import ForwardContext
-from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
+from freetoken.layers.basic import ZeroCenteredRMSNorm
+from freetoken.layers.parallel import RowParallelLinear
 from freetoken.models.qwen3_5.config import Qwen35Config
 
 
 class Qwen35MTP(nn.Module):
-    def __init__(self, cfg: Qwen35Config, target: nn.Module, kv_index: int):
+    def __init__(self, cfg: Qwen35Config, target: nn.Module, kv_index: int, parallel: ParallelContext = SINGLE):
         super().__init__()
         from freetoken.models.qwen3_5.model import DecoderLayer
 
         h = cfg.hidden_size
-        self.fc = Linear(2 * h, h)
+        self.fc = RowParallelLinear(2 * h, h, parallel, input_is_parallel=False)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", kv_index)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", kv_index, parallel)])
         self.norm = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps)
         self._target = [target]  # a plain list: the target is not a submodule of its own head
 
