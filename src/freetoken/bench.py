@@ -138,8 +138,18 @@ class BenchResult:
     tensor_parallel: int = 1
 
 
+def _warm_up(engine, prompts: list[list[int]]) -> None:
+    """One short run of the same shapes first, so kernel compilation and allocator growth are not timed."""
+    for p in prompts:
+        engine.add_request(p[:16], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while engine.scheduler.has_work:
+        engine.step()
+    engine.stats = type(engine.stats)(accepted_per_position=[0] * engine.spec.num_draft_tokens)
+
+
 def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, device: str):
     """Run to completion, timing prefill steps and decode steps separately -> (requests, prefill_s, decode_s)."""
+    _warm_up(engine, prompts)
     requests = [engine.add_request(p, params) for p in prompts]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prefill_s = decode_s = 0.0
@@ -198,7 +208,8 @@ def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tok
     for rate in corrupt_rates if spec == "oracle" else (None,):
         engine = LLMEngine(model, replace(base_config, spec=spec, num_draft_tokens=num_draft_tokens))
         if spec == "oracle":
-            engine.spec.set_continuations({i: c for i, c in enumerate(continuations)}, rate, seed)
+            # request ids 0..B-1 are the warm-up requests of _timed_generate
+            engine.spec.set_continuations({len(prompts) + i: c for i, c in enumerate(continuations)}, rate, seed)
         reqs, prefill_s, decode_s = _timed_generate(engine, prompts, params, device)
         if [r.output_token_ids for r in reqs] != continuations:
             raise AssertionError(f"{spec} k={num_draft_tokens} changed the greedy output")
