@@ -4,7 +4,8 @@
 127.0.0.1 with a free port. Worker r initialises the group (gloo on CPU, NCCL on CUDA with
 NCCL_NVLS_ENABLE=0 and device cuda:r), calls `fn(ParallelContext, *args)` and sends its return
 value back. If any worker raises or dies, the others are terminated and the parent raises one
-FreetokenError naming the rank and its error; past `timeout` seconds, all are killed. `fn` must be
+FreetokenError naming the rank that failed first and its error (the others' errors are usually
+just the broken connection to it); past `timeout` seconds, all are killed. `fn` must be
 importable by name (a module-level function) and its result picklable.
 """
 
@@ -49,11 +50,22 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, device: str, re
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         result = fn(ParallelContext(rank, world_size), *args)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        results.put((rank, buf.getvalue()))
+    except Exception as exc:
+        results.put(("error", rank, time.time(), _describe(exc)))
+        raise
     finally:
         dist.destroy_process_group()
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    results.put(("ok", rank, buf.getvalue()))
+
+
+def _describe(exc: BaseException) -> str:
+    """One line: a FreetokenError's own message, otherwise the exception type and its first line."""
+    from freetoken.errors import FreetokenError
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return text if isinstance(exc, FreetokenError) else f"{type(exc).__name__}: {text}"
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -74,37 +86,49 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "c
     results = ctx.Queue()
     procs = mp.start_processes(_worker, args=(fn, world_size, free_port(), device, results, args), nprocs=world_size, join=False, start_method="spawn")
     outputs: dict[int, bytes] = {}
+    errors: list[tuple[float, int, str]] = []  # (when, rank, what)
     deadline = time.monotonic() + timeout
     try:
         while True:
-            _drain(results, outputs)
-            if procs.join(timeout=0.05):
+            _drain(results, outputs, errors)
+            if procs.join(timeout=0.05, grace_period=2.0):
                 break
             if time.monotonic() > deadline:
                 raise FreetokenError(f"tensor-parallel workers did not finish within {timeout:.0f} s; all were stopped")
-    except mp.ProcessRaisedException as exc:
-        raise FreetokenError(f"tensor-parallel rank {exc.error_index} failed: {_last_line(str(exc))}") from None
-    except mp.ProcessExitedException as exc:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        _drain(results, outputs, errors, settle=1.0)
+        if errors:
+            _, rank, what = min(errors)
+            raise FreetokenError(f"tensor-parallel rank {rank} failed: {what}") from None
+        if isinstance(exc, mp.ProcessRaisedException):
+            raise FreetokenError(f"tensor-parallel rank {exc.error_index} failed: {_last_line(str(exc))}") from None
         raise FreetokenError(f"tensor-parallel rank {exc.error_index} exited with code {exc.exit_code}; all ranks were stopped") from None
     finally:
         for p in procs.processes:
             if p.is_alive():
                 p.kill()
             p.join(5)
-    _drain(results, outputs, wait_for=world_size)
+    _drain(results, outputs, errors, wait_for=world_size)
     return [torch.load(io.BytesIO(outputs[r]), weights_only=False) for r in range(world_size)]
 
 
-def _drain(results, outputs: dict[int, bytes], wait_for: int = 0) -> None:
-    """Move finished ranks' results into outputs; wait (briefly) until `wait_for` ranks have reported."""
+def _drain(results, outputs: dict[int, bytes], errors: list, wait_for: int = 0, settle: float = 0.0) -> None:
+    """Move reported results into outputs and errors; wait until `wait_for` ranks have returned,
+    or, with `settle`, until nothing more arrives for that many seconds."""
     while True:
         try:
-            rank, payload = results.get(timeout=10.0) if len(outputs) < wait_for else results.get_nowait()
+            if len(outputs) < wait_for:
+                message = results.get(timeout=10.0)
+            else:
+                message = results.get(timeout=settle) if settle else results.get_nowait()
         except queue.Empty:
             if len(outputs) < wait_for:
                 raise FreetokenError(f"tensor-parallel workers exited but only ranks {sorted(outputs)} returned a result") from None
             return
-        outputs[rank] = payload
+        if message[0] == "ok":
+            outputs[message[1]] = message[2]
+        else:
+            errors.append((message[2], message[1], message[3]))
 
 
 def _last_line(traceback_text: str) -> str:
