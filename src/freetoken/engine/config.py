@@ -18,6 +18,7 @@ class EngineConfig:
     num_draft_tokens: int = 0
     seed: int = 0
     tensor_parallel: int = 1  # processes sharing the model (one per GPU); see freetoken.distributed
+    cuda_graphs: bool = True  # replay decode/verify forwards as CUDA graphs where supported (dense, CUDA, Triton)
 
     def __post_init__(self):
         from freetoken.errors import FreetokenError

@@ -14,6 +14,7 @@ import torch
 
 from freetoken import sampling
 from freetoken.engine.config import EngineConfig
+from freetoken.engine.cuda_graph import DecodeGraphs
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.request import Request, RequestStatus
@@ -46,6 +47,9 @@ class LLMEngine:
         num_linear, conv_shape, recurrent_shape = model.linear_state_shapes
         self.state_pool = LinearStatePool(num_linear, config.max_num_seqs, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin)
+        self.graphs = None
+        if config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device):
+            self.graphs = DecodeGraphs(model, max_blocks_per_seq=-(-(config.max_model_len + k + 1) // config.block_size))
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
@@ -114,8 +118,12 @@ class LLMEngine:
         groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id] + d) for r, d in zip(requests, drafts)]
         mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
         ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
-        hidden = self.model(ctx)
-        logits = self.model.compute_logits(hidden).view(len(requests), k + 1, -1)
+        if self.graphs is not None:
+            hidden, logits, ctx = self.graphs.run(ctx)
+        else:
+            hidden = self.model(ctx)
+            logits = self.model.compute_logits(hidden)
+        logits = logits.view(len(requests), k + 1, -1)
         result = sampling.verify(
             logits,
             proposal.tokens.to(self.device),
