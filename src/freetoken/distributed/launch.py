@@ -68,11 +68,6 @@ def _describe(exc: BaseException) -> str:
     return text if isinstance(exc, FreetokenError) else f"{type(exc).__name__}: {text}"
 
 
-def rank_device(device: str, rank: int) -> str:
-    """The device of rank `rank`: cuda -> cuda:rank, cpu stays cpu."""
-    return f"cuda:{rank}" if device.startswith("cuda") else device
-
-
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """fn(ParallelContext, *args) on `world_size` processes -> their return values in rank order."""
     import torch.multiprocessing as mp
