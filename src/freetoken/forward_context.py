@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,14 +52,18 @@ class LinearState:
 
 @dataclass
 class GDNStash:
-    """Per-row inputs of the recurrence saved during verify, replayed by the commit."""
+    """The verify step's recurrence inputs for all its rows, replayed by the commit.
 
-    conv_rows: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, C] raw pre-conv rows
-    q: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, Hv, Dk] fp32
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, Hv, Dv] fp32
-    g: list[torch.Tensor] = field(default_factory=list)  # per seq: [T, Hv]
-    beta: list[torch.Tensor] = field(default_factory=list)
+    Rows keep the step's layout (each sequence's rows contiguous, at its row_start), so the commit
+    reads the first accepted rows of each sequence in place.
+    """
+
+    conv_rows: torch.Tensor  # [N, C] raw pre-conv rows
+    q: torch.Tensor  # [N, Hv, Dk] fp32
+    k: torch.Tensor  # [N, Hv, Dk] fp32
+    v: torch.Tensor  # [N, Hv, Dv] fp32
+    g: torch.Tensor  # [N, Hv] fp32
+    beta: torch.Tensor  # [N, Hv] fp32
 
 
 @dataclass
@@ -71,3 +76,4 @@ class ForwardContext:
     kv: KVCache
     linear_state: LinearState | None
     stash: dict[int, GDNStash] = field(default_factory=dict)  # linear layer ordinal -> stash (VERIFY only)
+    commit_batch: Any = None  # a prepared replay layout (kernels.SeqBatch) for the commit; CUDA graphs set it

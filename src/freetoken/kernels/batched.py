@@ -45,6 +45,10 @@ class SeqBatch:
             total += n
         return SeqBatch(tuple(starts), tuple(num_rows), self.num_cached, self.state_slots, self.block_tables, self.device)
 
+    def accepted(self, num_rows: list[int]) -> SeqBatch:
+        """The same sequences and row positions, each cut to its first num_rows[i] rows (the commit replay)."""
+        return SeqBatch(self.row_starts, tuple(num_rows), self.num_cached, self.state_slots, self.block_tables, self.device)
+
     @property
     def num_seqs(self) -> int:
         return len(self.row_starts)

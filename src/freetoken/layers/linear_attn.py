@@ -100,12 +100,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=not verify).to(x.dtype)
         if verify:
-            stash = GDNStash()
-            for i in range(batch.num_seqs):
-                rows = batch.rows(i)
-                for name, value in (("conv_rows", mixed_qkv), ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-                    getattr(stash, name).append(value[rows])
-            ctx.stash[self.state_index] = stash
+            ctx.stash[self.state_index] = GDNStash(mixed_qkv, q, k, v, g, beta)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y)
 
@@ -113,12 +108,7 @@ class GatedDeltaNet(nn.Module):
         """Fold the first accepted_rows[i] verify rows of each sequence into its live state."""
         stash = ctx.stash[self.state_index]
         state = ctx.linear_state
-        replay = kernels.seq_batch(ctx).with_rows(list(accepted_rows))
-
-        def accepted(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([part[:n] for part, n in zip(parts, accepted_rows)])
-
-        q, k, v, g, beta = (accepted(getattr(stash, name)) for name in ("q", "k", "v", "g", "beta"))
-        kernels.gdn_recurrent_batched(state.recurrent[self.state_index], q, k, v, g, beta, replay, compute_output=False)
-        conv_weight = self.conv1d.weight[:, 0, :]
-        kernels.causal_conv1d_batched(state.conv[self.state_index], accepted(stash.conv_rows), conv_weight, replay)
+        replay = ctx.commit_batch if ctx.commit_batch is not None else kernels.seq_batch(ctx).accepted(list(accepted_rows))
+        recurrent, conv = state.recurrent[self.state_index], state.conv[self.state_index]
+        kernels.gdn_recurrent_batched(recurrent, stash.q, stash.k, stash.v, stash.g, stash.beta, replay, compute_output=False)
+        kernels.causal_conv1d_batched(conv, stash.conv_rows, self.conv1d.weight[:, 0, :], replay)
