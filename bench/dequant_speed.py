@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -87,7 +88,10 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
+    from freetoken.bench import environment
+
+    info = {"command": "python bench/dequant_speed.py " + " ".join(sys.argv[1:]), **environment(), "device": str(device),
+            "threads": torch.get_num_threads(), "machine": platform.machine()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     path = out / f"dequant_speed-{device.type}.json"
