@@ -1,22 +1,15 @@
 """Triton paged attention vs the batched torch reference, and each row alone vs in a batch (bitwise)."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
+
 from freetoken.kernels import attention_triton, batched  # noqa: E402
 from freetoken.kernels.batched import SeqBatch  # noqa: E402
 
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")]),
-]
 BLOCK = 4  # KV block size in tokens
 
 

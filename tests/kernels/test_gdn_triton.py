@@ -3,23 +3,16 @@ invariant: verify leaves the pools untouched, and replaying accepted rows gives 
 outputs) that decoding them one at a time gives, bit for bit.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
+
 from freetoken.kernels import batched, conv_triton, gdn_triton  # noqa: E402
 from freetoken.kernels.batched import SeqBatch  # noqa: E402
 
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")]),
-]
 
 
 def make_batch(num_rows, slots, device):

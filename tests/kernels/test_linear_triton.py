@@ -4,22 +4,15 @@ On CPU the kernel runs under TRITON_INTERPRET=1 at tiny shapes; on a GPU (TRITON
 same checks run at model-sized shapes.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
+
 from freetoken.kernels import linear_ref, linear_triton  # noqa: E402
 
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")]),
-]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

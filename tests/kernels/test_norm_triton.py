@@ -1,21 +1,14 @@
 """Triton RMSNorms vs `norm_ref` (within one rounding of the output dtype) and row invariance (bitwise)."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
+
 from freetoken.kernels import norm_ref, norm_triton  # noqa: E402
 
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")]),
-]
 # One output ulp: the fp32 chains differ from torch's only in rsqrt and summation order.
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
 
