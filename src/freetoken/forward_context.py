@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -76,4 +75,3 @@ class ForwardContext:
     kv: KVCache
     linear_state: LinearState | None
     stash: dict[int, GDNStash] = field(default_factory=dict)  # linear layer ordinal -> stash (VERIFY only)
-    commit_batch: Any = None  # a prepared replay layout (kernels.SeqBatch) for the commit; CUDA graphs set it

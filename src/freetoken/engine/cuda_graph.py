@@ -28,8 +28,6 @@ class _Graph:
     batch: SeqBatch  # the captured batch layout with its static device tensors
     hidden: torch.Tensor  # [N, H] static output
     logits: torch.Tensor  # [N, V] static output
-    commit_graph: torch.cuda.CUDAGraph | None = None  # VERIFY: the commit replay of the accepted rows
-    commit_counts: torch.Tensor | None = None  # [B] int32 static: accepted rows per sequence
 
 
 class DecodeGraphs:
@@ -38,7 +36,6 @@ class DecodeGraphs:
         self.max_blocks = max_blocks_per_seq
         self.graphs: dict[tuple[int, int, ForwardMode], _Graph] = {}
         self.pool = None
-        self.last: _Graph | None = None  # the graph of the latest run, whose stash a commit replays
 
     @staticmethod
     def supported(model: torch.nn.Module, device: torch.device) -> bool:
@@ -81,40 +78,9 @@ class DecodeGraphs:
             self.graphs[key] = entry
         fresh = self._load(entry, ctx)
         entry.graph.replay()
-        self.last = entry
         commit_ctx = replace(entry.ctx, seqs=ctx.seqs, stash=entry.ctx.stash)
         commit_ctx.__dict__["_seq_batch"] = (ctx.seqs, fresh)
         return entry.hidden, entry.logits, commit_ctx
-
-    def commit(self, commit_ctx: ForwardContext, accepted_rows: list[int]) -> None:
-        """After a VERIFY replay: fold the accepted rows into the GDN state through the commit graph."""
-        entry = self.last
-        if entry.commit_graph is None:
-            self._capture_commit(entry)
-        entry.commit_counts.copy_(torch.tensor(accepted_rows, dtype=torch.int32))
-        entry.commit_graph.replay()
-
-    def _capture_commit(self, entry: _Graph) -> None:
-        b = entry.batch
-        counts = b.counts.clone()
-        replay = b.accepted(list(b.num_rows))
-        replay.__dict__.update(starts=b.starts, counts=counts, slots=b.slots)
-        ctx = replace(entry.ctx, commit_batch=replay)
-        state = ctx.linear_state
-        slots = b.slots.long()
-        saved = (state.conv[:, slots].clone(), state.recurrent[:, slots].clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.model.commit(ctx, list(b.num_rows))
-        torch.cuda.current_stream().wait_stream(stream)
-        state.conv[:, slots] = saved[0]
-        state.recurrent[:, slots] = saved[1]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.model.commit(ctx, list(b.num_rows))
-        self.pool = graph.pool()
-        entry.commit_graph, entry.commit_counts = graph, counts
 
     def _capture(self, ctx: ForwardContext) -> _Graph:
         static_ctx = replace(ctx, input_ids=ctx.input_ids.clone(), positions=ctx.positions.clone(), slot_mapping=ctx.slot_mapping.clone(), stash={})

@@ -134,9 +134,7 @@ class LLMEngine:
         )
         accepted = result.accepted_len.tolist()
         next_tokens = result.next_token.tolist()
-        if k > 0 and self.graphs is not None:
-            self.graphs.commit(ctx, [a + 1 for a in accepted])
-        elif k > 0:
+        if k > 0:
             self.model.commit(ctx, [a + 1 for a in accepted])
         self.stats.decode_steps += 1
 

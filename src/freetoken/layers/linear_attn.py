@@ -108,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         """Fold the first accepted_rows[i] verify rows of each sequence into its live state."""
         stash = ctx.stash[self.state_index]
         state = ctx.linear_state
-        replay = ctx.commit_batch if ctx.commit_batch is not None else kernels.seq_batch(ctx).accepted(list(accepted_rows))
+        replay = kernels.seq_batch(ctx).accepted(list(accepted_rows))
         recurrent, conv = state.recurrent[self.state_index], state.conv[self.state_index]
         kernels.gdn_recurrent_batched(recurrent, stash.q, stash.k, stash.v, stash.g, stash.beta, replay, compute_output=False)
         kernels.causal_conv1d_batched(conv, stash.conv_rows, self.conv1d.weight[:, 0, :], replay)
