@@ -33,3 +33,4 @@ NumDraftOpt = Annotated[int, typer.Option("--num-draft-tokens", "-k", min=1, hel
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Requests running at once.")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", min=1, help="CPU threads for torch (1 is fastest for small models).")]
 TensorParallelOpt = Annotated[int, typer.Option("--tensor-parallel", min=1, help="Processes sharing the model (one per GPU; gloo on CPU, NCCL on CUDA). Only rank 0 writes.")]
+MemFractionOpt = Annotated[float, typer.Option("--mem-fraction", min=0.0, max=0.99, help="CUDA: share of free GPU memory for the KV pool (0 = size it for --batch-size requests of the longest length).")]

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, TensorParallelOpt, console
+from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, MemFractionOpt, TensorParallelOpt, console
 
 
 def bench(
@@ -28,6 +28,7 @@ def bench(
     out: Annotated[Optional[Path], typer.Option("--out", help="JSON results file (default bench/results/<shape>-<spec>.json).")] = None,
     tensor_parallel: TensorParallelOpt = 1,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay decode steps as CUDA graphs (dense CUDA models).")] = True,
+    mem_fraction: MemFractionOpt = 0.0,
 ) -> None:
     """Benchmark decode on a random-weight model of a real shape; reports the bandwidth floor."""
     from rich.table import Table
@@ -42,7 +43,7 @@ def bench(
     if spec != "none" and num_draft_tokens < 1:
         raise FreetokenError(f"--spec {spec} needs --num-draft-tokens >= 1")
     kwargs = dict(prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
-                  corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value, cuda_graphs=cuda_graphs)
+                  corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction)
     if tensor_parallel == 1:
         results = [r for b in batch_size for r in run_bench(shape, batch_size=b, **kwargs)]
     else:

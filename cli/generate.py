@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from freetoken.cli._options import (
-    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, TensorParallelOpt, ThreadsOpt, console,
+    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, MemFractionOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, TensorParallelOpt, ThreadsOpt, console,
 )
 
 # Measured on the embedded model (CPU: k=1 54.7 vs k=3 50.4 tokens/s; GPU batch 50: k=1 1437, k=2 900,
@@ -43,6 +43,7 @@ def generate(
     dtype: DTypeOpt = DType.float32,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the checkpoint's chat template.")] = False,
     threads: ThreadsOpt = 1,
+    mem_fraction: MemFractionOpt = 0.0,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", help="Write the run statistics (with command, commit, date) as JSON here.")] = None,
     tensor_parallel: TensorParallelOpt = 1,
 ) -> None:
@@ -57,7 +58,7 @@ def generate(
         from freetoken.errors import FreetokenError
 
         raise FreetokenError("--num-draft-tokens needs --spec mtp")
-    config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, spec=spec.value, num_draft_tokens=k, seed=seed,
+    config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, mem_fraction=mem_fraction, spec=spec.value, num_draft_tokens=k, seed=seed,
                           max_model_len=8192, tensor_parallel=tensor_parallel)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)

@@ -169,7 +169,7 @@ def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, de
 
 def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none", num_draft_tokens: int = 0,
               corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0,
-              parallel: ParallelContext = SINGLE, cuda_graphs: bool = True) -> list[BenchResult]:
+              parallel: ParallelContext = SINGLE, cuda_graphs: bool = True, mem_fraction: float = 0.0) -> list[BenchResult]:
     """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts (on this rank)."""
     from freetoken.engine.engine import LLMEngine
 
@@ -177,7 +177,7 @@ def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tok
     if parallel.is_parallel and device.startswith("cuda"):
         device = f"cuda:{parallel.rank}"
     base_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_num_batched_tokens=max(prompt_len, 256),
-                               max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed, cuda_graphs=cuda_graphs, tensor_parallel=parallel.world_size)
+                               max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction, tensor_parallel=parallel.world_size)
     model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]

@@ -80,3 +80,18 @@ def test_finish_reason_names_the_limit(tiny_checkpoint):
     (stopped,) = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64)).generate([prompt], greedy(5, stop_token_ids=(free.output_token_ids[2],)))
     assert stopped.finish_reason == "stop"
     assert free.finish_reason == "length"
+
+
+def test_kv_blocks_for_memory():
+    """--mem-fraction: the pool takes that share of the free bytes, in whole blocks; too little is one clear error."""
+    import pytest
+
+    from freetoken.engine.engine import kv_blocks_for_memory
+    from freetoken.errors import FreetokenError
+
+    block = 2 * 8 * 16 * 2 * 64 * 2  # layers * block_size * kv heads * (k and v) * head_dim * bf16 bytes
+    assert kv_blocks_for_memory(10 * 2**30, 0.5, block, "cuda:0") == (5 * 2**30) // block
+    with pytest.raises(FreetokenError, match="holds no KV block"):
+        kv_blocks_for_memory(block, 0.5, block, "cuda:0")
+    with pytest.raises(FreetokenError, match="--mem-fraction"):
+        EngineConfig(mem_fraction=1.5)

@@ -12,7 +12,8 @@ class EngineConfig:
     max_num_seqs: int = 16  # running requests at once (linear-state slots)
     max_num_batched_tokens: int = 512  # prefill tokens per step (chunked prefill budget)
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: enough for max_num_seqs requests of max_model_len tokens
+    num_kv_blocks: int | None = None  # None: from mem_fraction on CUDA, else max_num_seqs requests of max_model_len tokens
+    mem_fraction: float = 0.0  # CUDA: share of the free GPU memory (after weights and state) for the KV pool; 0 = off
     max_model_len: int = 4096
     spec: str = "none"  # none | mtp
     num_draft_tokens: int = 0
@@ -25,6 +26,8 @@ class EngineConfig:
 
         if self.spec == "none" and self.num_draft_tokens:
             raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp)")
+        if not 0.0 <= self.mem_fraction < 1.0:
+            raise FreetokenError(f"--mem-fraction must be in [0, 1), not {self.mem_fraction}")
         if self.num_draft_tokens < 0 or self.max_num_seqs < 1 or self.block_size < 1 or self.tensor_parallel < 1:
             raise FreetokenError("engine sizes must be positive")
 

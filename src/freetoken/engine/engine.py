@@ -36,16 +36,26 @@ class StepStats:
     num_verifies: int = 0  # request-level verify rows groups (one per request per decode step)
 
 
+def kv_blocks_for_memory(free_bytes: int, mem_fraction: float, block_bytes: int, device: str) -> int:
+    """KV blocks that fit in mem_fraction of free_bytes (every layer's keys and values of one block)."""
+    from freetoken.errors import FreetokenError
+
+    blocks = int(free_bytes * mem_fraction) // block_bytes
+    if blocks < 1:
+        raise FreetokenError(f"--mem-fraction {mem_fraction} of the {free_bytes / 2**30:.1f} GiB free on {device} holds no KV block")
+    return blocks
+
+
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, origin: str | None = None):
         self.model, self.config = model, config
         self.device = torch.device(config.device)
         k = config.num_draft_tokens
         num_kv_heads, head_dim = model.kv_head_shape
-        num_blocks = config.num_kv_blocks or config.max_num_seqs * -(-(config.max_model_len + k + 1) // config.block_size)
-        self.kv_pool = KVPool(model.num_kv_layers, num_blocks, config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
         num_linear, conv_shape, recurrent_shape = model.linear_state_shapes
         self.state_pool = LinearStatePool(num_linear, config.max_num_seqs, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
+        block_bytes = model.num_kv_layers * config.block_size * num_kv_heads * head_dim * 2 * config.torch_dtype.itemsize
+        self.kv_pool = KVPool(model.num_kv_layers, self._num_kv_blocks(block_bytes), config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin)
         self.graphs = None
         if config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device):
@@ -54,6 +64,17 @@ class LLMEngine:
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
         self._next_id = 0
+
+    def _num_kv_blocks(self, block_bytes: int) -> int:
+        """--num-kv-blocks if given; else a share of free GPU memory (--mem-fraction); else room for
+        max_num_seqs requests of max_model_len tokens."""
+        config = self.config
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        if config.mem_fraction and self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)  # the state pool is already allocated
+            return kv_blocks_for_memory(free_bytes, config.mem_fraction, block_bytes, self.config.device)
+        return config.max_num_seqs * -(-(config.max_model_len + config.num_draft_tokens + 1) // config.block_size)
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
