@@ -17,7 +17,7 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.cuda_graph import DecodeGraphs
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
-from freetoken.engine.request import Request, RequestStatus
+from freetoken.engine.request import Request
 from freetoken.engine.runner import RowGroup, build_context
 from freetoken.engine.scheduler import PrefillChunk, Scheduler
 from freetoken.engine.spec_protocol import CommittedRows, SpecMethod

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import importlib
 
 import torch
 
@@ -30,12 +29,10 @@ class TensorSource(Protocol):
 
 
 def _build(family: str, config: dict[str, Any], with_mtp: bool, parallel: ParallelContext) -> torch.nn.Module:
-    if not parallel.is_parallel:
-        return family_module(family).build(config, with_mtp)
-    build = getattr(importlib.import_module(family_module(family).__name__ + ".model"), "build", None)
-    if build is None:
+    module = family_module(family)
+    if parallel.is_parallel and not getattr(module, "SUPPORTS_TENSOR_PARALLEL", False):
         raise UnsupportedModelError(f"model family {family!r} does not support --tensor-parallel")
-    return build(config, with_mtp, parallel)
+    return module.build(config, with_mtp, parallel)
 
 
 def build_empty(family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str, dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> torch.nn.Module:

@@ -134,8 +134,3 @@ class Qwen35ForCausalLM(nn.Module):
         for layer in self.model.layers:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.commit(ctx, accepted_rows)
-
-
-def build(config: dict, with_mtp: bool, parallel: ParallelContext = SINGLE) -> Qwen35ForCausalLM:
-    """The model holding rank `parallel.rank`'s shard (the whole model for one process)."""
-    return Qwen35ForCausalLM(Qwen35Config.from_dict(config), with_mtp=with_mtp, parallel=parallel)
