@@ -7,16 +7,12 @@ Needs `transformers`, which is not a runtime dependency.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from freetoken.errors import FreetokenError
-
-
-class TensorSource(Protocol):
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor stored under canonical name `name`."""
+from freetoken.models.loader import TensorSource
 
 
 def hf_text_config(config: dict[str, Any]):

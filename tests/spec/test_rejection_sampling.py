@@ -11,52 +11,12 @@ correct sampler fails with probability about 1e-5 for an arbitrary seed; seeds a
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 
 import pytest
 import torch
 
 from freetoken.sampling import SamplingParams, make_generator, verify
-
-
-def ref_probs(row: list[float], sp: SamplingParams, history: list[int]) -> list[float]:
-    """Penalties -> temperature -> top-k (ties to the lower id) -> top-p -> softmax, in float64."""
-    x = [float(v) for v in row]
-    for t, c in Counter(history).items():
-        x[t] -= c * sp.frequency_penalty + sp.presence_penalty
-    x = [v / sp.temperature for v in x]
-    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
-    kept = order[: sp.top_k] if sp.top_k > 0 else order
-    m = max(x[i] for i in kept)
-    z = sum(math.exp(x[i] - m) for i in kept)
-    if sp.top_p < 1:
-        nucleus, mass = [], 0.0
-        for i in kept:
-            if mass >= sp.top_p:
-                break
-            nucleus.append(i)
-            mass += math.exp(x[i] - m) / z
-        kept = nucleus
-        z = sum(math.exp(x[i] - m) for i in kept)
-    return [math.exp(x[i] - m) / z if i in kept else 0.0 for i in range(len(x))]
-
-
-def chi2_critical(df: int, z: float = 4.265) -> float:
-    """Upper chi-square quantile (Wilson-Hilferty); z = 4.265 is a 1e-5 tail."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def assert_matches_distribution(counts: list[int], expected: list[float]) -> None:
-    n = sum(counts)
-    for i, (c, p) in enumerate(zip(counts, expected)):
-        assert p > 0 or c == 0, f"outcome {i} has probability 0 but came out {c} times"
-    cells = [(c, p * n) for c, p in zip(counts, expected) if p * n >= 5]
-    rest_c, rest_e = n - sum(c for c, _ in cells), n - sum(e for _, e in cells)
-    if rest_e > 1e-9:
-        cells.append((rest_c, rest_e))
-    stat = sum((c - e) ** 2 / e for c, e in cells)
-    assert stat < chi2_critical(len(cells) - 1), f"chi2 {stat:.1f} over {len(cells) - 1} dof"
+from tests.test_sampling import assert_matches_distribution, ref_probs
 
 
 # ---------------------------------------------------------------- greedy

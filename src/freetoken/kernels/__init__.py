@@ -20,11 +20,9 @@ import os
 import torch
 
 from freetoken.errors import FreetokenError
-from freetoken.kernels import attention_ref, batched, linear_ref, norm_ref
-from freetoken.kernels.attention_ref import paged_attention, store_kv
+from freetoken.kernels import batched, linear_ref, norm_ref
+from freetoken.kernels.attention_ref import store_kv
 from freetoken.kernels.batched import SeqBatch, seq_batch
-from freetoken.kernels.conv_ref import causal_conv1d
-from freetoken.kernels.gdn_ref import gdn_recurrent
 from freetoken.kernels.rope_ref import apply_rope
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
@@ -118,14 +116,10 @@ def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state:
 __all__ = [
     "SeqBatch",
     "apply_rope",
-    "attention_ref",
-    "causal_conv1d",
     "causal_conv1d_batched",
     "gated_rms_norm",
-    "gdn_recurrent",
     "gdn_recurrent_batched",
     "linear",
-    "paged_attention",
     "paged_attention_batched",
     "rms_norm",
     "seq_batch",
