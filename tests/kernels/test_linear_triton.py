@@ -18,7 +18,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 def shapes(device):
     # (M, K, N): K not a multiple of BLOCK_K, N not a multiple of BLOCK_N, M across a BLOCK_M edge.
-    return [(19, 80, 72)] if device == "cpu" else [(37, 4096, 4160), (300, 1000, 2000)]
+    # (19, 300, 72) in fp32 splits K in two on the CPU (config_for); the GPU shapes split K too.
+    return [(19, 80, 72), (19, 300, 72)] if device == "cpu" else [(37, 4096, 4160), (300, 1000, 2000), (5, 12288, 1024)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -59,3 +60,18 @@ def test_linear_handles_empty_and_strided_input(device):
     assert linear_triton.linear(torch.empty(0, 24, device=device), w).shape == (0, 40)
     x = torch.randn(3, 48).to(device)[:, ::2]  # non-unit inner stride
     torch.testing.assert_close(linear_triton.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_k_rows_are_invariant_and_launches_cut_cleanly(device, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    m, k, n = (19, 300, 72) if device == "cpu" else (70, 12288, 1024)
+    assert linear_triton.config_for(n, k, torch.float32).split > 1
+    x = torch.randn(m, k, generator=gen).to(device)
+    w = torch.randn(n, k, generator=gen).to(device)
+    full = linear_triton.linear(x, w)
+    torch.testing.assert_close(full.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
+    for i in (0, m - 1):
+        assert torch.equal(linear_triton.linear(x[i : i + 1], w), full[i : i + 1])
+    monkeypatch.setattr(linear_triton, "MAX_ROWS_PER_LAUNCH", 16)  # several launches of one config
+    assert torch.equal(linear_triton.linear(x, w), full)

@@ -1,16 +1,24 @@
-"""Row-invariant linear layer y = x W^T (Triton).
+"""Row-invariant linear layer y = x W^T (Triton), split-K with a fixed-order reduction.
 
-One tile configuration for every M: each program owns BLOCK_M rows x BLOCK_N output features and
-walks K in BLOCK_K steps from 0 upwards, accumulating in fp32. A row's result therefore depends on
-its own inputs only, never on how many rows share the launch (decode 1, verify k+1, prefill many).
-The configuration depends on the dtype alone, there is no split-K, and M is not specialised on, so
-M = 1 compiles to the same code as M = 1000.
+The launch configuration is a function of (N, K, dtype) alone, never of M: every row goes through
+the same tile shape, the same K split and the same summation order, so its result depends on its
+own inputs only — decode (1 row), verify (k+1 rows) and prefill (many rows) agree bit for bit.
 
-Decode and verify are memory bound: the grid puts N / BLOCK_N programs over the weight, each
-streaming its BLOCK_N x K slice once per BLOCK_M rows.
+Decode is memory bound: the whole weight must stream from HBM once per step, so the grid must fill
+the GPU even when N is small. Each program owns BLOCK_M rows x BLOCK_N features x one of SPLIT
+slices of K. With SPLIT > 1 every program writes its fp32 partial tile to a workspace and bumps a
+per-tile counter; the program that arrives last adds the SPLIT partials in slice order 0, 1, ...
+(a fixed order, whoever arrives last) and stores the result, then resets the counter for the next
+launch. The M tiles of one (feature, slice) block are adjacent in the launch order, so at batch
+sizes above BLOCK_M the weight tile is re-read from L2, not HBM.
+
+Calls with more than MAX_ROWS_PER_LAUNCH rows are cut into launches of that many rows (same
+kernel, same configuration: the cut changes no bits), which bounds the workspace.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -19,34 +27,100 @@ import triton.language as tl
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16
-BLOCK_N = 64
+MAX_ROWS_PER_LAUNCH = 1024
+TARGET_PROGRAMS = 512  # programs per launch at M <= BLOCK_M: about four per SM on an H200
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_n: int
+    block_k: int
+    split: int  # slices of K
+    num_warps: int = 4
+    num_stages: int = 4
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
-    x_ptr, w_ptr, y_ptr,
-    M, N, K,
+    x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
+    M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    row_ok = rows < M
+    col_ok = cols < N
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile: the weight is the dot's wide operand
+    for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + ks
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[None, :] * stride_wn + kk[:, None], mask=(cols[None, :] < N) & (kk[:, None] < K), other=0.0)
+        k_ok = kk < k_end
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
         if DOT_F32:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=(rows[:, None] < M) & (cols[None, :] < N))
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, x, acc, input_precision="ieee")
+    out_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
+    out_mask = row_ok[None, :] & col_ok[:, None]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        num_m_tiles = tl.cdiv(M, BLOCK_M)
+        tile = pid_n * num_m_tiles + pid_m
+        tile_ptrs = part_ptr + (tile * SPLIT) * (BLOCK_N * BLOCK_M) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(tile_ptrs + pid_s * (BLOCK_N * BLOCK_M), acc)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()
+            total = tl.load(tile_ptrs, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                total += tl.load(tile_ptrs + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The launch configuration of an [N, K] weight: a function of the weight's shape and dtype only."""
+    block_n, block_k = (64, 32) if dtype == torch.float32 else (64, 128)
+    n_tiles = triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    split = max(1, min(k_blocks // 4, TARGET_PROGRAMS // n_tiles))  # each slice keeps >= 4 K blocks
+    return LinearConfig(block_n, block_k, split)
+
+
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, partial_floats: int, num_locks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials, int32 counters kept at zero between launches), grown on demand, never shrunk."""
+    part, locks = _workspaces.get(device, (None, None))
+    if part is None or part.numel() < partial_floats:
+        part = torch.empty(max(partial_floats, 1 << 20), dtype=torch.float32, device=device)
+    if locks is None or locks.numel() < num_locks:
+        locks = torch.zeros(max(num_locks, 1 << 14), dtype=torch.int32, device=device)
+    _workspaces[device] = (part, locks)
+    return part, locks
+
+
+def reserve_workspace(device: torch.device, weights: list[torch.Tensor]) -> None:
+    """Allocate the split-K workspace for these weights up front (before CUDA-graph capture)."""
+    for w in weights:
+        _launch_workspace(device, MAX_ROWS_PER_LAUNCH, w.shape[0], config_for(w.shape[0], w.shape[1], w.dtype))
+
+
+def _launch_workspace(device: torch.device, m: int, n: int, cfg: LinearConfig):
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
+    return _workspace(device, tiles * cfg.split * cfg.block_n * BLOCK_M, tiles)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation."""
     assert x.dtype == weight.dtype, f"linear: x is {x.dtype}, weight is {weight.dtype}"
     m, k = x.shape
@@ -56,7 +130,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    block_k = 32 if x.dtype == torch.float32 else 64
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
-    _linear_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, DOT_F32=INTERPRET, num_warps=4)
+    cfg = cfg or config_for(n, k, weight.dtype)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
+    for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
+        rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
+        part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
+        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)
+        _linear_kernel[grid](
+            x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
+            x.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return y

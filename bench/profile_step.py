@@ -1,0 +1,65 @@
+"""Where a decode step's GPU time goes: per-kernel totals of eager decode steps (torch.profiler).
+
+Builds a random-weight model of a bench shape, prefills one prompt, then profiles a few eager decode
+(or verify, with -k) steps and prints the kernels by total time per step, the kernel count per step
+and the sum of kernel time, as JSON lines. The gap between that sum and the graphed step time of
+`freetoken bench` is launch overhead.
+
+    python bench/profile_step.py --shape qwen3.5-9b [-k 3] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+from freetoken.bench import SHAPES, random_model
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.engine import LLMEngine
+from freetoken.sampling import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3.5-9b")
+    ap.add_argument("-k", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    cfg = SHAPES[args.shape]
+    spec = "oracle" if args.k else "none"
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + 64 + args.k + 2,
+                          cuda_graphs=False, spec=spec, num_draft_tokens=args.k)
+    model = random_model(cfg, "cuda", torch.bfloat16, with_mtp=False)
+    engine = LLMEngine(model, config)
+    prompt = torch.randint(0, cfg.vocab_size - 16, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    if spec == "oracle":
+        engine.spec.set_continuations({0: [7] * 64}, 0.0, 0)
+    engine.add_request(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    while any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] += e.device_time_total
+            counts[e.name] += 1
+    total_us = sum(totals.values()) / args.steps
+    print(json.dumps({"shape": args.shape, "k": args.k, "kernels_per_step": sum(counts.values()) / args.steps, "kernel_us_per_step": round(total_us, 1)}))
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(json.dumps({"kernel": name[:90], "us_per_step": round(us / args.steps, 1), "calls_per_step": counts[name] / args.steps, "share": round(us / args.steps / total_us, 3)}))
+
+
+if __name__ == "__main__":
+    main()
