@@ -113,6 +113,17 @@ def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state:
     return batched.gdn_recurrent_batched(state, q, k, v, g, beta, batch, write_state, compute_output)
 
 
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H]."""
+    if use_triton(x):
+        from freetoken.kernels import moe_triton
+
+        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first)
+    from freetoken.kernels import moe_ref
+
+    return moe_ref.moe_experts(x, experts, weights, gate_up, down, first)
+
+
 __all__ = [
     "SeqBatch",
     "apply_rope",
@@ -120,6 +131,7 @@ __all__ = [
     "gated_rms_norm",
     "gdn_recurrent_batched",
     "linear",
+    "moe_experts",
     "paged_attention_batched",
     "rms_norm",
     "seq_batch",

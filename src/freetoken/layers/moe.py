@@ -1,20 +1,19 @@
 """Sparse MoE block: softmax router, top-k renormalised, fused experts, sigmoid-gated shared expert.
 
-Experts run one at a time over all the tokens routed to them (one row-invariant linear per expert
-and projection, not one per token). Expert outputs are accumulated in fp32 in ascending expert
-order, which for every token is the ascending order of its own experts, so a token's result does
-not depend on which other tokens share the step.
+The routed experts are one op, `kernels.moe_experts`: a grouped GEMM in Triton on CUDA (no host
+sync, so the block can be captured in a CUDA graph) and an expert-at-a-time loop on CPU. Either way
+a token's weighted expert outputs are added in fp32 in ascending expert id, so its result does not
+depend on which other tokens share the step.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
-its own experts only, and the fp32 partial sums are added over ranks in rank order (experts
-grouped by rank, still a fixed order per token). The router is replicated; the shared expert is split like a dense MLP. An
-expert count the ranks do not divide is refused.
+its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
+rank order (experts grouped by rank, still a fixed order per token). The router is replicated; the
+shared expert is split like a dense MLP. An expert count the ranks do not divide is refused.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
@@ -37,16 +36,6 @@ class FusedExperts(nn.Module):
             mine = ShardSpec(0, ((self.first, stop),))
             self.shard_specs = {"gate_up_proj": mine, "down_proj": mine}
 
-    def holds(self, expert: int) -> bool:
-        return self.first <= expert < self.first + self.count
-
-    def forward_rows(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """x [n, H] through expert `expert` -> [n, H]."""
-        local = expert - self.first
-        gate_up = kernels.linear(x, self.gate_up_proj[local])
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return kernels.linear(F.silu(gate) * up, self.down_proj[local])
-
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, shared_intermediate_size: int, parallel: ParallelContext = SINGLE):
@@ -62,13 +51,7 @@ class SparseMoE(nn.Module):
         router_probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
         weights, experts = torch.topk(router_probs, self.top_k, dim=-1)  # [N, top_k]
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in torch.unique(experts).tolist():  # ascending
-            if not self.experts.holds(expert):
-                continue
-            tokens, slot = (experts == expert).nonzero(as_tuple=True)
-            y = self.experts.forward_rows(x[tokens], expert)
-            acc[tokens] = acc[tokens] + (y * weights[tokens, slot][:, None]).float()
+        acc = kernels.moe_experts(x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)  # [N, H] fp32
         acc = self.parallel.all_reduce(acc)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return acc.to(x.dtype) + shared

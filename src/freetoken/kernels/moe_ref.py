@@ -1,0 +1,37 @@
+"""Routed experts of a sparse MoE block (reference: the CPU path and the oracle of moe_triton).
+
+Experts run one at a time over every token routed to them: one row-invariant linear per expert and
+projection. A token's weighted expert outputs are added in fp32 in ascending expert id, which for
+every token is the ascending order of its own experts, so its result does not depend on which other
+tokens share the call. `torch.unique(...).tolist()` reads the routing on the host: fine on CPU, and
+the reason the Triton path exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.kernels import linear_ref
+
+
+def moe_experts(
+    x: torch.Tensor,  # [N, H]
+    experts: torch.Tensor,  # [N, top_k] global expert ids
+    weights: torch.Tensor,  # [N, top_k] renormalised router weights, x.dtype
+    gate_up: torch.Tensor,  # [C, 2I, H] experts [first, first + C), gate rows first
+    down: torch.Tensor,  # [C, H, I]
+    first: int = 0,
+) -> torch.Tensor:  # [N, H] fp32: sum over the held experts of weight * expert(x)
+    count, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(experts).tolist():  # ascending
+        local = expert - first
+        if not 0 <= local < count:
+            continue
+        tokens, slot = (experts == expert).nonzero(as_tuple=True)
+        h = linear_ref.linear(x[tokens], gate_up[local])
+        y = linear_ref.linear(F.silu(h[:, :inter]) * h[:, inter:], down[local])
+        acc[tokens] = acc[tokens] + (y * weights[tokens, slot][:, None]).float()
+    return acc
