@@ -113,6 +113,18 @@ def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state:
     return batched.gdn_recurrent_batched(state, q, k, v, g, beta, batch, write_state, compute_output)
 
 
+def gdn_chunked_prefill(state, q, k, v, g, beta, batch: SeqBatch, out=None):
+    """Chunked (C=64) gated delta rule for prefill; advances the slots in place -> outputs [N, Hv, Dv] fp32
+    (into `out` at the batch's rows if given). Equals gdn_recurrent_batched up to fp32 rounding only."""
+    if use_triton(q):
+        from freetoken.kernels import gdn_chunk_triton
+
+        return gdn_chunk_triton.gdn_chunked(state, q, k, v, g, beta, batch, out)
+    from freetoken.kernels import gdn_chunk_ref
+
+    return gdn_chunk_ref.gdn_chunked_batched(state, q, k, v, g, beta, batch, out)
+
+
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H]."""
     if use_triton(x):
@@ -129,6 +141,7 @@ __all__ = [
     "apply_rope",
     "causal_conv1d_batched",
     "gated_rms_norm",
+    "gdn_chunked_prefill",
     "gdn_recurrent_batched",
     "linear",
     "moe_experts",

@@ -7,8 +7,8 @@ with T = (I + A)^{-1}, and the chunks are then chained through the state:
 
 Two launches:
   `_prep_kernel`   program (chunk, head): everything that does not need the state (the Gram
-                   matrices, T by forward substitution on a [C, C] register tile, W, U, Aqk), for
-                   all chunks of all sequences at once. Writes W, U, Aqk to fp32 scratch.
+                   matrices, T by recursive block inversion on a [C, C] register tile, W, U, Aqk),
+                   for all chunks of all sequences at once. Writes W, U, Aqk to fp32 scratch.
   `_chain_kernel`  program (sequence, head, Dv block): loads the slot's state tile [Dk, BLOCK_V],
                    walks the sequence's chunks in order, stores the outputs and, at the end, the
                    state back in place. State columns are independent, so splitting Dv is exact.
