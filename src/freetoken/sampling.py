@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from freetoken import kernels
 from freetoken.errors import FreetokenError
+from freetoken.kernels import sampling_ref
 
 DEFAULT_GLOBAL_SEED = 0
 
@@ -95,19 +97,27 @@ def make_generator(
     return g
 
 
-def _penalize(logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]) -> None:
-    """In place: logits[r, t] -= count_r(t) * frequency + (count_r(t) > 0) * presence."""
+def _penalize(
+    logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]], extra: tuple[Tensor, list[int]] | None = None
+) -> None:
+    """In place: logits[r, t] -= count_r(t) * frequency + (count_r(t) > 0) * presence.
+
+    count_r counts histories[r] plus, if given, extra = (tokens [T] int64 on the logits' device,
+    the row each token belongs to): tokens still on the device (verify's drafts) need no host copy.
+    """
     rows = [r for r, p in enumerate(params) if p.has_penalties]
-    if not rows:
-        return
-    lengths = [len(histories[r]) for r in rows]
-    if sum(lengths) == 0:
+    extra_tokens, extra_rows = extra if extra is not None else (None, [])
+    if not rows or (sum(len(histories[r]) for r in rows) == 0 and not extra_rows):
         return
     dev = logits.device
+    slot = {r: i for i, r in enumerate(rows)}  # row -> its place among the penalized rows
     flat = torch.tensor([t for r in rows for t in histories[r]], dtype=torch.int64, device=dev)
-    row_of = torch.repeat_interleave(torch.arange(len(rows), device=dev), torch.tensor(lengths, device=dev))
+    row_of = [slot[r] for r in rows for _ in histories[r]]
+    if extra_rows:
+        flat = torch.cat([flat, extra_tokens.to(dev)])
+        row_of += [slot[r] for r in extra_rows]
     counts = torch.zeros(len(rows), logits.shape[1], dtype=torch.float32, device=dev)  # [R', V]
-    counts.index_put_((row_of, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    counts.index_put_((torch.tensor(row_of, dtype=torch.int64, device=dev), flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
     freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=torch.float32, device=dev)
     pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=torch.float32, device=dev)
     index = torch.tensor(rows, dtype=torch.int64, device=dev)
@@ -136,15 +146,21 @@ def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return x.masked_fill(~mask, float("-inf"))
 
 
-def process_logits(logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]) -> Tensor:
+def process_logits(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    extra: tuple[Tensor, list[int]] | None = None,
+) -> Tensor:
     """Raw logits [R, V] (any float dtype) -> processed fp32 logits [R, V].
 
     Row r depends only on logits[r], params[r] and histories[r] (the generated tokens before
-    that row). Greedy rows get penalties only; sampled rows also temperature, top-k and top-p.
+    that row; `extra` adds device-resident tokens to some rows' histories, see `_penalize`).
+    Greedy rows get penalties only; sampled rows also temperature, top-k and top-p.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(histories)
     x = logits.float().clone()  # [R, V]
-    _penalize(x, params, histories)
+    _penalize(x, params, histories, extra)
     sampled = [r for r, p in enumerate(params) if not p.is_greedy]
     if not sampled:
         return x
@@ -160,18 +176,27 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams], histories: 
     return x
 
 
+def _argmax(x: Tensor) -> Tensor:
+    """[R, V] -> [R] int64, lowest index on ties: the Triton kernel where the dispatch says so."""
+    if kernels.use_triton(x):
+        from freetoken.kernels import sampling_triton
+
+        return sampling_triton.argmax(x)
+    return sampling_ref.argmax(x)
+
+
 def _one_hot_argmax(x: Tensor) -> Tensor:
     """[R, V] -> [R, V] fp32 one-hot at the argmax (lowest index on ties)."""
     out = torch.zeros_like(x, dtype=torch.float32)
-    return out.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+    return out.scatter_(1, _argmax(x)[:, None], 1.0)
 
 
 def probs(logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]) -> Tensor:
     """The distribution [R, V] fp32 each row is sampled from; one-hot at the argmax for greedy rows."""
     x = process_logits(logits, params, histories)
     p = torch.softmax(x, dim=-1)
-    greedy = torch.tensor([q.is_greedy for q in params], device=x.device)
-    if greedy.any():
+    if any(q.is_greedy for q in params):
+        greedy = torch.tensor([q.is_greedy for q in params], device=x.device)
         p = torch.where(greedy[:, None], _one_hot_argmax(x), p)
     return p
 
@@ -181,24 +206,25 @@ def _uniforms(
 ) -> Tensor:
     """[len(generators), n] fp64 uniforms in [0, 1); row r from generators[r] where needed[r]
     (torch's default generator if that is None), zeros elsewhere."""
-    out = torch.zeros(len(generators), n, dtype=torch.float64, device=device)
-    for r, (g, need) in enumerate(zip(generators, needed)):
-        if need:
-            gdev = g.device if g is not None else device
-            out[r] = torch.rand(n, generator=g, device=gdev, dtype=torch.float64).to(device)
-    return out
+    zeros = torch.zeros(n, dtype=torch.float64, device=device)
+    rows = [
+        torch.rand(n, generator=g, device=g.device if g is not None else device, dtype=torch.float64).to(device) if need else zeros
+        for g, need in zip(generators, needed)
+    ]
+    return torch.stack(rows) if rows else torch.zeros(0, n, dtype=torch.float64, device=device)
 
 
 def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
-    """One draw per row from unnormalized non-negative weights [R, V] with uniforms u [R] -> [R] int64.
+    """One draw per row from unnormalized non-negative fp32 weights [R, V] with uniforms u [R] -> [R] int64.
 
-    The chosen token always has positive weight (rows with zero total return 0).
+    The chosen token always has positive weight (rows with zero total return 0). CPU and GPU pick
+    the same token for the same uniform: both follow sampling_ref's integer CDF.
     """
-    cdf = torch.cumsum(weights.double(), dim=-1)  # [R, V]
-    total = cdf[:, -1]
-    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, x[:, None], right=True).squeeze(1)
-    return idx.clamp_(max=weights.shape[1] - 1)
+    if kernels.use_triton(weights):
+        from freetoken.kernels import sampling_triton
+
+        return sampling_triton.inverse_cdf(weights, u)
+    return sampling_ref.inverse_cdf(weights, u)
 
 
 def sample(
@@ -209,8 +235,11 @@ def sample(
 ) -> Tensor:
     """One token per row -> [R] int64; greedy rows take the argmax, sampled rows one draw each."""
     x = process_logits(logits, params, histories)
-    tokens = x.argmax(dim=-1)
     sampled = [r for r, p in enumerate(params) if not p.is_greedy]
+    if len(sampled) < len(params):
+        tokens = _argmax(x)
+    else:
+        tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     if sampled:
         index = torch.tensor(sampled, dtype=torch.int64, device=x.device)
         p = torch.softmax(x.index_select(0, index), dim=-1)
@@ -251,16 +280,22 @@ def verify(
     dev = target_logits.device
     assert draft_tokens.shape == (B, k) and len(params) == len(histories) == len(generators) == B
     drafts = draft_tokens.to(device=dev, dtype=torch.int64)
-    drafts_list = drafts.tolist() if any(sp.has_penalties for sp in params) else None
     row_params = [sp for sp in params for _ in range(k1)]
-    row_histories = [
-        (list(histories[b]) + drafts_list[b][:i]) if drafts_list is not None and params[b].has_penalties else ()
-        for b in range(B)
-        for i in range(k1)
-    ]
-    x = process_logits(target_logits.reshape(B * k1, V), row_params, row_histories).view(B, k1, V)
+    row_histories = [histories[b] if params[b].has_penalties else () for b in range(B) for _ in range(k1)]
+    # row (b, i) also sees drafts[b, :i]; they are gathered on the device, without a host copy
+    pairs = [(b * k1 + i, b * k + j) for b in range(B) if params[b].has_penalties for i in range(k1) for j in range(i)]
+    extra = None
+    if pairs:
+        at = torch.tensor([f for _, f in pairs], dtype=torch.int64, device=dev)
+        extra = (drafts.reshape(-1).index_select(0, at), [r for r, _ in pairs])
+    x = process_logits(target_logits.reshape(B * k1, V), row_params, row_histories, extra)  # [B*(k+1), V]
+    argmax = _argmax(x).view(B, k1)  # [B, k+1]
+    rows = torch.arange(B, device=dev)
+    if all(sp.is_greedy for sp in params):
+        accepted_len = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [B]
+        return VerifyResult(accepted_len=accepted_len, next_token=argmax[rows, accepted_len])
+    x = x.view(B, k1, V)
     greedy = torch.tensor([sp.is_greedy for sp in params], device=dev)  # [B]
-    argmax = x.argmax(dim=-1)  # [B, k+1]
     p = torch.softmax(x, dim=-1)  # [B, k+1, V] target distributions
 
     u = _uniforms(generators, [not sp.is_greedy for sp in params], k1, dev)  # [B, k+1]: k accepts + 1 draw
@@ -274,7 +309,6 @@ def verify(
     accept = torch.where(greedy[:, None], drafts == argmax[:, :k], u[:, :k] * q_d < p_d)  # [B, k]
     accepted_len = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
 
-    rows = torch.arange(B, device=dev)
     target = p[rows, accepted_len]  # [B, V]
     rejected = accepted_len < k
     if k > 0:
