@@ -33,7 +33,8 @@ from freetoken.kernels.compat_triton import INTERPRET
 BLOCK_M = 16  # rows per tile; each expert's rows are padded to a multiple of it
 BLOCK_N = 32  # output features per tile
 BLOCK_T = 128  # routed rows scanned per step by the align kernel
-BLOCK_H = 256  # hidden features per combine program
+BLOCK_TOK = 16  # tokens per combine program
+BLOCK_H = 128  # hidden features per combine program
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -69,7 +70,7 @@ def _gate_up_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
-    tokens = ids // TOP_K
+    tokens = (ids // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
@@ -120,34 +121,35 @@ def _down_kernel(
             a, wd = a.to(tl.float32), wd.to(tl.float32)
         acc = tl.dot(a, wd, acc, input_precision="ieee")
     y = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + ids[:, None] * stride_om + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
+    tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _combine_kernel(
     out_ptr, experts_ptr, weights_ptr, acc_ptr,
-    H, first, C,
+    N, H, first, C,
     stride_om, stride_am,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    n = tl.program_id(0)
+    tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, TOP_K_POW2)
     big = 2147483647
-    ids = tl.load(experts_ptr + n * TOP_K + slots, mask=slots < TOP_K, other=big).to(tl.int32)
+    live = tokens < N
+    ids = tl.load(experts_ptr + tokens[:, None] * TOP_K + slots[None, :], mask=live[:, None] & (slots[None, :] < TOP_K), other=big).to(tl.int32)
     dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    prev = tl.full((), -1, tl.int32)
-    for _ in tl.static_range(TOP_K):  # this token's experts, ascending id (top-k ids are distinct)
-        e = tl.min(tl.where(ids > prev, ids, big), 0)
-        slot = tl.sum(tl.where(ids == e, slots, 0), 0)
+    acc = tl.zeros((BLOCK_TOK, BLOCK_H), dtype=tl.float32)
+    prev = tl.full((BLOCK_TOK,), -1, tl.int32)
+    for _ in tl.static_range(TOP_K):  # each token's experts in ascending id (top-k ids are distinct)
+        e = tl.min(tl.where(ids > prev[:, None], ids, big), 1)  # [BLOCK_TOK]
+        slot = tl.sum(tl.where(ids == e[:, None], slots[None, :], 0), 1)
         prev = e
-        held = (e >= first) & (e < first + C)
-        row = n * TOP_K + slot
-        y = tl.load(out_ptr + row * stride_om + cols, mask=(cols < H) & held, other=0.0).to(tl.float32)
-        w = tl.load(weights_ptr + row).to(tl.float32)
-        acc += tl.where(held, (y * w).to(dtype).to(tl.float32), 0.0)
-    tl.store(acc_ptr + n * stride_am + cols, acc, mask=cols < H)
+        held = live & (e >= first) & (e < first + C)
+        row = (tokens * TOP_K + slot).to(tl.int64)
+        y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
+        w = tl.load(weights_ptr + row, mask=held, other=0.0).to(tl.float32)
+        acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
+    tl.store(acc_ptr + tokens[:, None] * stride_am + cols[None, :], acc, mask=live[:, None] & (cols[None, :] < H))
 
 
 def max_blocks(num_experts: int, rows: int) -> int:
@@ -207,10 +209,10 @@ def moe_experts(
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, DOT_F32=INTERPRET, num_warps=4,
     )
-    _combine_kernel[(n, triton.cdiv(hidden, BLOCK_H))](
+    _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
         out, experts, weights, acc,
-        hidden, first, count,
+        n, hidden, first, count,
         out.stride(0), acc.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_H=BLOCK_H, num_warps=4,
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return acc
