@@ -59,3 +59,31 @@ def test_zero_centred_norm_hand_value(device):
     got = norm_triton.zc_rms_norm(x, torch.tensor([0.0, 1.0], device=device), 0.0)
     expect = torch.tensor([[3.0, 8.0]], device=device) / 12.5**0.5
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_zc_rms_norm_matches_reference(device, dtype):
+    d = 48 if device == "cpu" else 4096
+    x, z, w = make(device, dtype, 5, d, 3)
+    x, r = x[:, 0], z[:, 1]
+    s, y = norm_triton.add_zc_rms_norm(x, r, w, 1e-6)
+    s_ref, y_ref = norm_ref.add_zc_rms_norm(x, r, w, 1e-6)
+    if INTERPRET and dtype == torch.bfloat16:  # the interpreter's bf16 cast is not round-to-nearest
+        torch.testing.assert_close(s.float(), s_ref.float(), **TOL[dtype])
+    else:
+        assert torch.equal(s, s_ref)  # one rounding of the exact sum, as in torch
+    torch.testing.assert_close(y.float(), y_ref.float(), **TOL[dtype])
+    s1, y1 = norm_triton.add_zc_rms_norm(x[2:3], r[2:3], w, 1e-6)
+    assert torch.equal(s1, s[2:3]) and torch.equal(y1, y[2:3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_reference(device, dtype):
+    i = 40 if device == "cpu" else 12288
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(3, 2 * i, generator=gen) * 3).to(dtype).to(device)
+    got, want = norm_triton.silu_mul(gate_up), norm_ref.silu_mul(gate_up)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    assert torch.equal(norm_triton.silu_mul(gate_up[1:2]), got[1:2])

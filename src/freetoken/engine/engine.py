@@ -22,6 +22,7 @@ from freetoken.engine.runner import RowGroup, build_context
 from freetoken.engine.scheduler import PrefillChunk, Scheduler
 from freetoken.engine.spec_protocol import CommittedRows, SpecMethod
 from freetoken.forward_context import ForwardMode
+from freetoken.layers.merge import merge_projections
 from freetoken.sampling import SamplingParams
 from freetoken.spec import spec_method_class
 
@@ -48,7 +49,7 @@ def kv_blocks_for_memory(free_bytes: int, mem_fraction: float, block_bytes: int,
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, origin: str | None = None):
-        self.model, self.config = model, config
+        self.model, self.config = merge_projections(model), config
         self.device = torch.device(config.device)
         k = config.num_draft_tokens
         num_kv_heads, head_dim = model.kv_head_shape

@@ -32,3 +32,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     g = gate.float()
     g = F.silu(g) if act == "silu" else torch.sigmoid(g)
     return (y * g).to(dtype)
+
+
+def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s) * (1 + w)) with s = x + residual; x, residual [N, D]."""
+    s = x + residual
+    return s, zc_rms_norm(s, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [N, 2I] = [gate | up] -> [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

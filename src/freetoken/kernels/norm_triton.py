@@ -1,4 +1,4 @@
-"""RMSNorm variants (Triton): zero-centred, plain and gated, one program per row.
+"""RMSNorm variants (Triton): zero-centred, plain, gated and residual-add + zero-centred; one program per row.
 
 Each program normalises one row of D elements with a single fp32 reduction over a fixed
 BLOCK_D = next_pow2(D) block, so a row's bits never depend on how many rows the launch has. The
@@ -76,3 +76,61 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """y = (w * norm(x).to(x.dtype)) * act(gate) in x.dtype; x, gate [..., D], weight [D]."""
     y = _launch(x, gate, weight, eps, 2, _ACTS[act], torch.promote_types(x.dtype, weight.dtype))
     return y.to(x.dtype)
+
+
+@triton.jit
+def _add_zc_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
+    D, stride_x, stride_r, stride_s, stride_y, eps,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)  # rounded like a torch add
+    tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (sf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s) * (1 + w)) with s = x + residual in x.dtype; x, residual [N, D]."""
+    n, d = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    s = torch.empty_like(x)
+    y = torch.empty_like(x)
+    if n:
+        _add_zc_rms_norm_kernel[(n,)](
+            x, residual, weight.contiguous(), s, y, d, x.stride(0), residual.stride(0), s.stride(0), y.stride(0), eps,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
+        )
+    return s, y
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf * tl.sigmoid(gf)).to(g.dtype)  # F.silu rounds to the input dtype before the product
+    tl.store(y_ptr + row * stride_y + cols, (act.to(tl.float32) * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [N, 2I] = [gate | up] -> [N, I]."""
+    n, two_i = gate_up.shape
+    i = two_i // 2
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    y = torch.empty((n, i), dtype=gate_up.dtype, device=gate_up.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(i))
+        _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up, y, i, gate_up.stride(0), y.stride(0), BLOCK=block, num_warps=4)
+    return y

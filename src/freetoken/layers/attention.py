@@ -48,13 +48,29 @@ class GatedAttention(nn.Module):
         self.rotary_dim, self.rope_theta = rotary_dim, rope_theta
         self.kv_index = kv_index  # which KV-cache layer this attention owns
         self.scale = head_dim**-0.5
+        self.qkv_weight: torch.Tensor | None = None  # [q_gate | k | v] rows once merged (layers/merge.py)
+
+    def merge_projections(self) -> None:
+        """Read q (with its gate), k and v as one weight."""
+        if self.qkv_weight is None:
+            from freetoken.layers.merge import merge_linears
+
+            self.qkv_weight = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def _project(self, x: torch.Tensor):
+        """x [N, H] -> q_gate [N, Hq, 2D], k, v [N, Hkv, D]."""
+        n = x.shape[0]
+        if self.qkv_weight is None:
+            q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv = self.num_kv_heads * self.head_dim
+            q_gate, k, v = torch.split(kernels.linear(x, self.qkv_weight), [self.qkv_weight.shape[0] - 2 * kv, kv, kv], dim=-1)
+        return q_gate.view(n, self.num_heads, 2 * self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
-        q_gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim)
+        q_gate, k, v = self._project(x)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         inv_freq = rope_inv_freq(self.rotary_dim, self.rope_theta, device=x.device)
         q = kernels.apply_rope(self.q_norm(q), ctx.positions, inv_freq)
         k = kernels.apply_rope(self.k_norm(k), ctx.positions, inv_freq)

@@ -69,6 +69,16 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parallel)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel)
+        self.gate_up_weight: torch.Tensor | None = None  # [2I, H] once merged (layers/merge.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def merge_projections(self) -> None:
+        """Read gate and up as one [2I, H] weight."""
+        if self.gate_up_weight is None:
+            from freetoken.layers.merge import merge_linears
+
+            self.gate_up_weight = merge_linears([self.gate_proj, self.up_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        if self.gate_up_weight is not None:
+            return self.down_proj(kernels.silu_mul(kernels.linear(x, self.gate_up_weight)))
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -50,9 +50,28 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(cfg, parallel)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
+        out, residual = self.forward_residual(x, None, ctx)
+        return residual + out
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds fused into the norms that follow them.
+
+        The layer's input is x + residual (x alone when residual is None); returns (mlp output,
+        residual stream before the MLP's add), whose sum is the layer's output."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = add_norm(x, residual, self.input_layernorm)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        x = x + mixer(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        residual, h = add_norm(mixer(h, ctx), residual, self.post_attention_layernorm)
+        return self.mlp(h), residual
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)) in one pass; [N, H] each."""
+    from freetoken import kernels
+
+    return kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class Qwen35Model(nn.Module):
@@ -117,10 +136,10 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Run the rows of ctx through the trunk -> post-norm hidden [N, H]."""
-        x = self.embed(ctx.input_ids)
+        x, residual = self.embed(ctx.input_ids), None
         for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+            x, residual = layer.forward_residual(x, residual, ctx)
+        return add_norm(x, residual, self.model.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
         """Logits over the whole vocabulary (each rank's slice gathered in rank order)."""
