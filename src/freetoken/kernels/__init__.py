@@ -77,6 +77,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return norm_ref.rms_norm(x, weight, eps)
 
 
+def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s) * (1 + w)) with s = x + residual; x, residual [N, D]."""
+    if use_triton(x):
+        from freetoken.kernels import norm_triton
+
+        return norm_triton.add_zc_rms_norm(x, residual, weight, eps)
+    return norm_ref.add_zc_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [N, 2I] = [gate | up] -> [N, I]."""
+    if use_triton(gate_up):
+        from freetoken.kernels import norm_triton
+
+        return norm_triton.silu_mul(gate_up)
+    return norm_ref.silu_mul(gate_up)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu") -> torch.Tensor:
     """w * norm(x) * act(gate); x, gate [..., D], weight [D]."""
     if use_triton(x):
@@ -138,6 +156,8 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
 
 __all__ = [
     "SeqBatch",
+    "add_zc_rms_norm",
+    "silu_mul",
     "apply_rope",
     "causal_conv1d_batched",
     "gated_rms_norm",
