@@ -35,14 +35,14 @@ def weights_for(device, dtype, seed=0):
 
 
 def routing(n, device, dtype, seed, shared=None):
-    """x [n, H], experts [n, top_k] (distinct per token; all tokens on `shared` if given), weights [n, top_k]."""
+    """x [n, H], experts [n, top_k] (distinct per token; all on shared[:top_k] if given), weights [n, top_k]."""
     h, e, k, _ = shape(device)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=gen).to(dtype)
     if shared is None:
         experts = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
     else:
-        experts = torch.tensor(shared).repeat(n, 1)
+        experts = torch.tensor(shared[:k]).repeat(n, 1)
     w = torch.rand(n, k, generator=gen) + 0.1
     w = (w / w.sum(-1, keepdim=True)).to(dtype)
     return x.to(device), experts.to(device), w.to(device)
@@ -66,7 +66,7 @@ CASES = [  # (tokens, shared experts or None)
     (1, None),
     (5, None),
     (19, None),  # many tokens share each of the 8 experts
-    (20, (1, 3)),  # every token on experts 1 and 3: 20 rows each, two row blocks per expert
+    (20, (1, 3, 5, 9, 17, 33, 64, 100)),  # every token on the same top_k experts: two row blocks each
 ]
 
 
