@@ -9,6 +9,12 @@ in place; in VERIFY mode they are only read and each row's inputs are stashed; `
 accepted rows through the same batched recurrence and convolution. Each op covers all sequences of
 the step in one call (one kernel launch on the GPU).
 
+Prefill: in EXTEND mode a sequence with at least CHUNKED_MIN_ROWS rows in the step runs the
+chunked form of the rule (`kernels.gdn_chunked_prefill`), which equals the recurrence up to fp32
+rounding; every other sequence (decode rows, short prompt pieces) runs the recurrence. The choice
+depends only on the sequence's own row count, never on which requests share the step. Decode,
+verify and the commit replay therefore always run the recurrence, bit for bit alike.
+
 Across ranks the key heads and the value heads are split evenly (value head j reads key head
 j // (Hv / Hk), so a rank's value heads read only its own key heads); the fused [q | k | v]
 projection and the convolution keep the rank's part of each third, and the state pool holds only
@@ -28,10 +34,38 @@ from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
 from freetoken.layers.basic import GatedRMSNorm, _empty
 from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
+CHUNKED_MIN_ROWS = 64  # one full chunk: below it the chunked form does a chunk's work for fewer rows
+
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _split_by_length(batch: kernels.SeqBatch) -> tuple[kernels.SeqBatch, kernels.SeqBatch]:
+    """(chunked, recurrent): the step's sequences at their own rows, each keeping only the sequences on
+    its side of CHUNKED_MIN_ROWS; kept on the batch for the step's other GDN layers."""
+    split = batch.__dict__.get("_gdn_split")
+    if split is None:
+        long = [n >= CHUNKED_MIN_ROWS for n in batch.num_rows]
+        split = (
+            batch.accepted([n if is_long else 0 for n, is_long in zip(batch.num_rows, long)]),
+            batch.accepted([0 if is_long else n for n, is_long in zip(batch.num_rows, long)]),
+        )
+        batch.__dict__["_gdn_split"] = split
+    return split
+
+
+def _extend_recurrence(pool: torch.Tensor, q, k, v, g, beta, batch: kernels.SeqBatch) -> torch.Tensor:  # -> [N, Hv, Dv] fp32
+    """EXTEND: the chunked rule for sequences with >= CHUNKED_MIN_ROWS rows, the recurrence for the rest."""
+    lengths = batch.num_rows
+    if all(n < CHUNKED_MIN_ROWS for n in lengths):
+        return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch)
+    if all(n >= CHUNKED_MIN_ROWS for n in lengths):
+        return kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, batch)
+    chunked, recurrent = _split_by_length(batch)
+    out = kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, recurrent)
+    return kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked, out=out)
 
 
 class GatedDeltaNet(nn.Module):
@@ -98,17 +132,20 @@ class GatedDeltaNet(nn.Module):
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
         conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=not verify)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
-        core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=not verify).to(x.dtype)
+        if verify:
+            core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False)
+        else:
+            core = _extend_recurrence(recurrent_pool, q, k, v, g, beta, batch)
+        core = core.to(x.dtype)
         if verify:
             ctx.stash[self.state_index] = GDNStash(mixed_qkv, q, k, v, g, beta)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y)
 
-    def commit(self, ctx: ForwardContext, accepted_rows: list[int]) -> None:
-        """Fold the first accepted_rows[i] verify rows of each sequence into its live state."""
+    def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
+        """Fold the replay batch's rows (each sequence's first accepted verify rows) into the live state."""
         stash = ctx.stash[self.state_index]
         state = ctx.linear_state
-        replay = kernels.seq_batch(ctx).accepted(list(accepted_rows))
         recurrent, conv = state.recurrent[self.state_index], state.conv[self.state_index]
         kernels.gdn_recurrent_batched(recurrent, stash.q, stash.k, stash.v, stash.g, stash.beta, replay, compute_output=False)
         kernels.causal_conv1d_batched(conv, stash.conv_rows, self.conv1d.weight[:, 0, :], replay)
