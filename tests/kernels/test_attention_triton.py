@@ -37,9 +37,19 @@ def shapes(device):
     return ([5, 1, 4], [0, 9, 62]) if device == "cpu" else ([300, 1, 4, 4], [0, 1000, 62, 4093])
 
 
+@pytest.fixture(params=["shipped", "small"])
+def partition(request, monkeypatch):
+    """The shipped partition size, and (CPU contexts are short) 16-key blocks in 32-key partitions,
+    so rows span several partitions and the merge is exercised."""
+    if request.param == "small":
+        monkeypatch.setattr(attention_triton, "BLOCK_N", 16)
+        monkeypatch.setattr(attention_triton, "PARTITION", 32)
+    return request.param
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_matches_reference(device, dtype):
+def test_paged_attention_matches_reference(device, dtype, partition):
     num_rows, num_cached = shapes(device)
     heads, d = ((4, 2), 32) if device == "cpu" else ((16, 2), 256)
     q, k_cache, v_cache, batch = setup(device, dtype, num_rows, num_cached, heads, d)
@@ -51,7 +61,17 @@ def test_paged_attention_matches_reference(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_paged_attention_row_alone_equals_row_in_batch(device):
+def test_paged_attention_gate_matches_reference(device, partition):
+    num_rows, num_cached = shapes(device)
+    q, k_cache, v_cache, batch = setup(device, torch.bfloat16, num_rows, num_cached, seed=2)
+    gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q.dtype).to(device)
+    got = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, 0.3, gate)
+    want = batched.paged_attention_batched(q, k_cache, v_cache, batch, BLOCK, 0.3) * torch.sigmoid(gate)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_row_alone_equals_row_in_batch(device, partition):
     num_rows, num_cached = shapes(device)
     q, k_cache, v_cache, batch = setup(device, torch.bfloat16, num_rows, num_cached, seed=1)
     full = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, 0.2)

@@ -4,8 +4,11 @@ A decode step is uniform (k+1 rows for every request), so its target forward and
 captured once and replayed with new inputs copied into static buffers: token ids, positions, KV
 slots, block tables, context lengths and state slots. The kernels read every per-step value from
 those buffers, so a replay computes exactly what the eager forward would (same kernels, same
-launch shapes). Capture needs the Triton path (no host syncs): dense CUDA models only; MoE and
-CPU stay eager.
+launch shapes). Capture needs the Triton path (no host syncs).
+
+A verify graph comes with a second graph for its commit: the GDN replay of the accepted rows reads
+the verify graph's static stash, and the per-sequence accepted row counts come from a static device
+buffer filled from the sampler's result on the device, so the commit needs no host round trip.
 
 The eager warm-up before a capture runs the real step on the real pools; the GDN state of the
 batch's slots is saved before and restored after, so the step that follows sees untouched state.
@@ -28,6 +31,8 @@ class _Graph:
     batch: SeqBatch  # the captured batch layout with its static device tensors
     hidden: torch.Tensor  # [N, H] static output
     logits: torch.Tensor  # [N, V] static output
+    commit_graph: torch.cuda.CUDAGraph | None = None  # VERIFY only: the replay of the accepted rows
+    accepted_rows: torch.Tensor | None = None  # [B] int32 static input of commit_graph
 
 
 class DecodeGraphs:
@@ -41,9 +46,8 @@ class DecodeGraphs:
     def supported(model: torch.nn.Module, device: torch.device) -> bool:
         from freetoken.kernels import use_triton
 
-        cfg = getattr(model, "config", None)
         probe = torch.empty(1, device=device)
-        return device.type == "cuda" and cfg is not None and not cfg.is_moe and use_triton(probe)
+        return device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
 
     def _static_batch(self, ctx: ForwardContext) -> SeqBatch:
         """ctx's batch layout whose device tensors are fresh buffers of fixed shape (block table padded)."""
@@ -80,7 +84,14 @@ class DecodeGraphs:
         entry.graph.replay()
         commit_ctx = replace(entry.ctx, seqs=ctx.seqs, stash=entry.ctx.stash)
         commit_ctx.__dict__["_seq_batch"] = (ctx.seqs, fresh)
+        commit_ctx.__dict__["_graph"] = entry
         return entry.hidden, entry.logits, commit_ctx
+
+    def commit(self, ctx: ForwardContext, accepted_rows: torch.Tensor) -> None:
+        """Replay the commit graph of the verify that produced ctx; accepted_rows [B] on the device."""
+        entry: _Graph = ctx.__dict__["_graph"]
+        entry.accepted_rows.copy_(accepted_rows)
+        entry.commit_graph.replay()
 
     def _capture(self, ctx: ForwardContext) -> _Graph:
         static_ctx = replace(ctx, input_ids=ctx.input_ids.clone(), positions=ctx.positions.clone(), slot_mapping=ctx.slot_mapping.clone(), stash={})
@@ -109,4 +120,25 @@ class DecodeGraphs:
         self.pool = graph.pool()
         restore()
         assert seq_batch(static_ctx) is batch
-        return _Graph(graph, static_ctx, batch, hidden, logits)
+        entry = _Graph(graph, static_ctx, batch, hidden, logits)
+        if ctx.mode is ForwardMode.VERIFY:
+            self._capture_commit(entry, restore)
+        return entry
+
+    def _capture_commit(self, entry: _Graph, restore) -> None:
+        """The commit of entry's verify as a graph over a replay batch whose row counts are a static buffer."""
+        batch = entry.batch
+        entry.accepted_rows = batch.counts.clone()
+        replay = batch.accepted(list(batch.num_rows))
+        replay.__dict__.update(starts=batch.starts, slots=batch.slots, counts=entry.accepted_rows)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.model.commit(entry.ctx, replay)  # compiles the replay kernels
+            restore()
+        torch.cuda.current_stream().wait_stream(stream)
+        entry.commit_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(entry.commit_graph, pool=self.pool):
+            self.model.commit(entry.ctx, replay)
+        self.pool = entry.commit_graph.pool()
+        restore()

@@ -154,9 +154,11 @@ class LLMEngine:
             [r.output_token_ids for r in requests],
             [r.generator for r in requests],
         )
+        if k > 0 and self.graphs is not None:
+            self.graphs.commit(ctx, result.accepted_len + 1)  # on the device: no host round trip first
         accepted = result.accepted_len.tolist()
         next_tokens = result.next_token.tolist()
-        if k > 0:
+        if k > 0 and self.graphs is None:
             self.model.commit(ctx, [a + 1 for a in accepted])
         self.stats.decode_steps += 1
 

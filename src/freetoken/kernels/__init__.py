@@ -104,13 +104,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return norm_ref.gated_rms_norm(x, gate, weight, eps, act)
 
 
-def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float) -> torch.Tensor:
-    """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row causally in its sequence -> [N, Hq, D]."""
+def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row causally in its sequence -> [N, Hq, D],
+    times sigmoid(gate [N, Hq, D]) when a gate is given."""
     if use_triton(q):
         from freetoken.kernels import attention_triton
 
-        return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale)
-    return batched.paged_attention_batched(q, k_cache, v_cache, batch, block_size, scale)
+        return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale, gate)
+    out = batched.paged_attention_batched(q, k_cache, v_cache, batch, block_size, scale)
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, batch: SeqBatch, write_state: bool = True) -> torch.Tensor:

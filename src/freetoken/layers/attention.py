@@ -76,6 +76,5 @@ class GatedAttention(nn.Module):
         k = kernels.apply_rope(self.k_norm(k), ctx.positions, inv_freq)
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
         kernels.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale)
-        out = out * torch.sigmoid(gate)
+        out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

@@ -148,8 +148,14 @@ class Qwen35ForCausalLM(nn.Module):
 
         return self.parallel.all_gather(kernels.linear(hidden, weight).float())
 
-    def commit(self, ctx: ForwardContext, accepted_rows: list[int]) -> None:
-        """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN state."""
+    def commit(self, ctx: ForwardContext, accepted_rows: "list[int] | SeqBatch") -> None:
+        """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN state.
+
+        accepted_rows is a list of counts or the replay batch itself (the verify's layout cut to
+        those counts; a CUDA graph passes one whose counts live in a static device buffer)."""
+        from freetoken import kernels
+
+        replay = accepted_rows if isinstance(accepted_rows, kernels.SeqBatch) else kernels.seq_batch(ctx).accepted(list(accepted_rows))
         for layer in self.model.layers:
             if hasattr(layer, "linear_attn"):
-                layer.linear_attn.commit(ctx, accepted_rows)
+                layer.linear_attn.commit(ctx, replay)
