@@ -104,6 +104,19 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return norm_ref.gated_rms_norm(x, gate, weight, eps, act)
 
 
+def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """zc_rms_norm then partial RoPE of q [N, Hq, D] and k [N, Hkv, D]; k and v [N, Hkv, D] stored at
+    slot_mapping [N] in the caches [num_slots, Hkv, D]; returns the rotated q."""
+    if use_triton(q):
+        from freetoken.kernels import rope_triton
+
+        return rope_triton.norm_rope_store(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    q = apply_rope(norm_ref.zc_rms_norm(q, q_weight, eps), positions, inv_freq)
+    k = apply_rope(norm_ref.zc_rms_norm(k, k_weight, eps), positions, inv_freq)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row causally in its sequence -> [N, Hq, D],
     times sigmoid(gate [N, Hq, D]) when a gate is given."""
@@ -167,6 +180,7 @@ __all__ = [
     "gdn_recurrent_batched",
     "linear",
     "moe_experts",
+    "norm_rope_store",
     "paged_attention_batched",
     "rms_norm",
     "seq_batch",

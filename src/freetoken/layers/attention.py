@@ -67,14 +67,19 @@ class GatedAttention(nn.Module):
             q_gate, k, v = torch.split(kernels.linear(x, self.qkv_weight), [self.qkv_weight.shape[0] - 2 * kv, kv, kv], dim=-1)
         return q_gate.view(n, self.num_heads, 2 * self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
 
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """[rotary_dim / 2] fp32, computed once per device."""
+        cached = self.__dict__.get("_inv_freq_cache")
+        if cached is None or cached.device != device:
+            cached = rope_inv_freq(self.rotary_dim, self.rope_theta, device=device)
+            self.__dict__["_inv_freq_cache"] = cached
+        return cached
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
         q_gate, k, v = self._project(x)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
-        inv_freq = rope_inv_freq(self.rotary_dim, self.rope_theta, device=x.device)
-        q = kernels.apply_rope(self.q_norm(q), ctx.positions, inv_freq)
-        k = kernels.apply_rope(self.k_norm(k), ctx.positions, inv_freq)
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
-        kernels.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(x.device), k_cache, v_cache, ctx.slot_mapping)
         out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

@@ -1,0 +1,96 @@
+"""Per-head zero-centred RMSNorm + partial NeoX RoPE for q and k, and the KV-cache store (Triton).
+
+One launch replaces the attention layer's q_norm, k_norm, two rotations and the two cache writes.
+Program (r, j) takes row r and head j of [q heads | k heads]: it normalises the head in fp32,
+multiplies by (1 + w) and rounds to the input dtype (as `zc_rms_norm`), then rotates the first
+rotary_dim channels (channel i pairs with i + rotary_dim / 2) with cos/sin of position * inv_freq
+rounded to the input dtype, each product and the sum rounded as in `rope_ref.apply_rope`. A k head
+is written straight into the key cache at the row's slot, and the program of k head j also copies
+v head j into the value cache. Rows are independent: nothing depends on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+
+
+@triton.jit
+def _norm_rope_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    Hq, D, eps,
+    q_row, q_head, k_row, k_head, v_row, v_head, qo_row, qo_head, cache_slot, cache_head,
+    ROT: tl.constexpr, D_PAD: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    ds = tl.arange(0, D_PAD)
+    md = ds < D
+    half = ROT // 2
+    partner = tl.where(ds < half, ds + half, ds - half)
+    is_q = j < Hq
+    if is_q:
+        src = q_ptr + r * q_row + j * q_head
+        w_ptr = qw_ptr
+    else:
+        src = k_ptr + r * k_row + (j - Hq) * k_head
+        w_ptr = kw_ptr
+    x_raw = tl.load(src + ds, mask=md, other=0.0)
+    x = x_raw.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + ds, mask=md, other=0.0).to(tl.float32)
+    y = (x * rstd * (1.0 + w)).to(x_raw.dtype)
+    rot = ds < ROT
+    xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    yp = (xp * rstd * (1.0 + wp)).to(x_raw.dtype).to(tl.float32)
+    yp = tl.where(ds < half, -yp, yp)  # rotate_half: [-x2, x1]
+    pos = tl.load(pos_ptr + r).to(tl.float32)
+    freq = pos * tl.load(inv_freq_ptr + (ds % half), mask=rot, other=0.0)
+    cos = tl.cos(freq).to(x_raw.dtype).to(tl.float32)
+    sin = tl.sin(freq).to(x_raw.dtype).to(tl.float32)
+    a = (y.to(tl.float32) * cos).to(x_raw.dtype).to(tl.float32)
+    b = (yp * sin).to(x_raw.dtype).to(tl.float32)
+    out = tl.where(rot, (a + b).to(x_raw.dtype), y)
+    if is_q:
+        tl.store(q_out_ptr + r * qo_row + j * qo_head + ds, out, mask=md)
+    else:
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        kv = j - Hq
+        dst = slot * cache_slot + kv * cache_head + ds
+        tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=md)
+        v = tl.load(v_ptr + r * v_row + kv * v_head + ds, mask=md, other=0.0)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=md)
+
+
+def norm_rope_store(
+    q: torch.Tensor,  # [N, Hq, D] (any row/head strides)
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    eps: float,
+    positions: torch.Tensor,  # [N]
+    inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    slot_mapping: torch.Tensor,  # [N]
+) -> torch.Tensor:
+    """Normed, rotated q [N, Hq, D] (contiguous); normed, rotated k and raw v land in the caches."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return q_out
+    _norm_rope_kernel[(n, hq + hkv)](
+        q, k, v, q_weight, k_weight, positions, inv_freq, slot_mapping, q_out, k_cache, v_cache,
+        hq, d, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=4,
+    )
+    return q_out

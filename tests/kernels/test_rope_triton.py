@@ -1,0 +1,63 @@
+"""Fused q/k norm + partial RoPE + KV store (Triton) vs the torch composition it replaces."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tests.kernels.conftest import DEVICES  # noqa: E402
+
+from freetoken.kernels import norm_ref, rope_triton  # noqa: E402
+from freetoken.kernels.attention_ref import store_kv  # noqa: E402
+from freetoken.kernels.rope_ref import apply_rope, rope_inv_freq  # noqa: E402
+
+
+def make(device, dtype, n, hq=4, hkv=2, d=32, rot=16, slots=20, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q_gate = (torch.randn(n, hq, 2 * d, generator=gen) * 2).to(dtype).to(device)  # q is the first half of each head
+    kv = (torch.randn(n, 2 * hkv * d, generator=gen) * 2).to(dtype).to(device)
+    k, v = kv[:, : hkv * d].view(n, hkv, d), kv[:, hkv * d :].view(n, hkv, d)  # column slices, like the merged projection
+    qw, kw = (torch.randn(d, generator=gen) * 0.3).to(dtype).to(device), (torch.randn(d, generator=gen) * 0.3).to(dtype).to(device)
+    positions = torch.randint(0, 5000, (n,), generator=gen).to(device)
+    slot_mapping = torch.randperm(slots, generator=gen)[:n].to(device)
+    inv_freq = rope_inv_freq(rot, 1e7, device=device)
+    caches = [torch.zeros(slots, hkv, d, dtype=dtype, device=device) for _ in range(2)]
+    return q_gate[..., :d], k, v, qw, kw, positions, inv_freq, caches, slot_mapping
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_store_matches_reference(device, dtype):
+    n = 5 if device == "cpu" else 300
+    d, rot = (32, 16) if device == "cpu" else (256, 64)
+    q, k, v, qw, kw, pos, inv_freq, (kc, vc), slots = make(device, dtype, n, d=d, rot=rot, slots=2 * n)
+    got_q = rope_triton.norm_rope_store(q, k, v, qw, kw, 1e-6, pos, inv_freq, kc, vc, slots)
+    want_q = apply_rope(norm_ref.zc_rms_norm(q, qw, 1e-6), pos, inv_freq)
+    want_k = apply_rope(norm_ref.zc_rms_norm(k, kw, 1e-6), pos, inv_freq)
+    kc_ref, vc_ref = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kv(want_k, v, kc_ref, vc_ref, slots)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_q.float(), want_q.float(), **tol)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), **tol)  # untouched slots stay zero in both
+    assert torch.equal(vc, vc_ref)  # v is copied, not computed
+    one = rope_triton.norm_rope_store(q[2:3], k[2:3], v[2:3], qw, kw, 1e-6, pos[2:3], inv_freq, kc.clone(), vc.clone(), slots[2:3])
+    assert torch.equal(one[0], got_q[2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_rope_store_hand_case(device):
+    # One head, D = 4, all rotated (rot = 4), w = 0: norm([3, 4, 0, 0]) * (1 + 0) = [3, 4, 0, 0] / sqrt(25 / 4)
+    # = [1.2, 1.6, 0, 0]; at position 0 cos = 1, sin = 0: unchanged. inv_freq for the hand case is [1, 1].
+    q = torch.tensor([[[3.0, 4.0, 0.0, 0.0]]], device=device)
+    k, v = q.clone(), torch.ones(1, 1, 4, device=device)
+    w = torch.zeros(4, device=device)
+    kc, vc = torch.zeros(2, 1, 4, device=device), torch.zeros(2, 1, 4, device=device)
+    inv_freq = torch.ones(2, device=device)
+    out = rope_triton.norm_rope_store(q, k, v, w, w, 0.0, torch.tensor([0], device=device), inv_freq, kc, vc, torch.tensor([1], device=device))
+    torch.testing.assert_close(out[0, 0].cpu(), torch.tensor([1.2, 1.6, 0.0, 0.0]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kc[1, 0].cpu(), torch.tensor([1.2, 1.6, 0.0, 0.0]), rtol=1e-6, atol=1e-6)
+    assert torch.equal(vc[1, 0].cpu(), torch.ones(4)) and not kc[0].any()
+    # position 1 with inv_freq 1: channel 0 -> 1.2 cos1 - 0 sin1; channel 2 -> 0 cos1 + 1.2 sin1
+    out = rope_triton.norm_rope_store(q, k, v, w, w, 0.0, torch.tensor([1], device=device), inv_freq, kc, vc, torch.tensor([0], device=device))
+    c, s = torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))
+    torch.testing.assert_close(out[0, 0].cpu(), torch.stack([1.2 * c, 1.6 * c, 1.2 * s, 1.6 * s]), rtol=1e-5, atol=1e-6)
