@@ -1,7 +1,8 @@
 """CUDA graphs replay exactly what the eager forward computes (GPU only).
 
 Oracle: the same engine with graphs off. Greedy outputs must be identical token for token, with and
-without MTP speculative decoding, in bf16, and spec must still equal no-spec with graphs on.
+without MTP speculative decoding, in bf16, and spec must still equal no-spec with graphs on (the
+verify and its commit both replayed as graphs), for the dense and the MoE family.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ def _run(model, graphs: bool, spec: str = "none", k: int = 0) -> list[list[int]]
     return [r.output_token_ids for r in reqs]
 
 
-def test_graphs_equal_eager_and_spec_equals_no_spec(fixture_unified):
+@pytest.mark.parametrize("family", ["qwen35_dense", "qwen35_moe"])
+def test_graphs_equal_eager_and_spec_equals_no_spec(fixture_unified, family):
     from freetoken.checkpoint.reader import UnifiedCheckpoint
     from freetoken.models.loader import load_model
 
-    ck = UnifiedCheckpoint.open(fixture_unified("qwen35_dense"))
+    ck = UnifiedCheckpoint.open(fixture_unified(family))
     model = load_model(ck, ck.family, ck.config, with_mtp=True, device="cuda", dtype=torch.bfloat16)
     eager = _run(model, graphs=False)
     assert _run(model, graphs=True) == eager
