@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from freetoken.errors import FreetokenError
+from freetoken.kernels import sampling_ref
 from freetoken.sampling import SamplingParams, apply_stop, make_generator, probs, process_logits, sample
 
 
@@ -193,3 +194,23 @@ def test_apply_stop():
     assert apply_stop([1], sp, {0}, 10) == ([], True)
     ignore = SamplingParams(max_new_tokens=10, stop_token_ids=(7,), ignore_eos=True)
     assert apply_stop([0, 1, 7, 2], ignore, {0}, 0) == ([0, 1, 7], True)  # stop ids still apply
+
+
+def test_integer_cdf_hand_computed():
+    assert sampling_ref.cdf_bits(248320) == 44 and sampling_ref.cdf_bits(4) == 60
+    # max 2 = 0.5 * 2^2 -> scale 2^(60 - 2); 0.75 = 0.75 * 2^0 -> 3 * 2^56
+    q = sampling_ref.quantize(torch.tensor([[1.0, 0.0, 2.0, 0.75], [0.0] * 4]))
+    assert q.tolist() == [[2**58, 0, 2**59, 3 * 2**56], [0] * 4]
+
+
+def test_integer_cdf_agrees_with_float64_search():
+    """Away from interval boundaries the integer CDF picks what a float64 cumsum + search picks."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.softmax(torch.randn(64, 2000, generator=g) * 4, dim=-1)
+    w[::3, ::2] = 0.0
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    cdf = torch.cumsum(w.double(), dim=-1)
+    float_pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    got = sampling_ref.inverse_cdf(w, u)
+    assert torch.equal(got, float_pick)
+    assert (w.gather(1, got[:, None]) > 0).all()
