@@ -126,3 +126,51 @@ def test_conv_verify_then_replay_equals_decode(device):
             assert torch.equal(w_decode[0], w_replay[0])
         if step + 1 == 3:
             assert torch.equal(w_decode[1], w_replay[1])
+
+
+def fused_inputs(n, hk, hv, dk, dv, device, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    conv_out = (torch.randn(n, 2 * hk * dk + hv * dv, generator=gen) * 2).to(dtype).to(device)
+    a = (torch.randn(n, hv, generator=gen) * 3).to(dtype).to(device)  # both softplus branches: a + dt_bias > 20 too
+    a[0, 0] = 30.0
+    b = torch.randn(n, hv, generator=gen).to(dtype).to(device)
+    a_log = torch.randn(hv, generator=gen).to(device)
+    dt_bias = torch.randn(hv, generator=gen).to(device)
+    return conv_out, a, b, a_log, dt_bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gdn_fused_matches_reference_prep_and_recurrence(device):
+    from freetoken.kernels.gdn_ref import recurrence_inputs
+
+    hk, hv, dk, dv = (2, 4, 16, 24) if device == "cpu" else (16, 32, 128, 128)
+    num_rows, slots = [3, 1, 0, 4], [4, 0, 2, 1]
+    n = sum(num_rows)
+    batch = make_batch(num_rows, slots, device)
+    conv_out, a, b, a_log, dt_bias = fused_inputs(n, hk, hv, dk, dv, device, 0)
+    state = torch.randn(5, hv, dk, dv, generator=torch.Generator().manual_seed(1)).to(device) * 0.1
+    want_state = state.clone()
+    want = batched.gdn_recurrent_batched(want_state, *recurrence_inputs(conv_out, a, b, a_log, dt_bias, hk, dk, dv), batch)
+    got = gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, hk, batch)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, want_state, rtol=2e-5, atol=2e-5)
+    assert torch.equal(state[3], want_state[3])  # a slot no sequence owns is untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gdn_fused_verify_then_replay_equals_decoding_one_by_one(device):
+    hk, hv, dk, dv = (2, 4, 16, 24) if device == "cpu" else (16, 32, 128, 128)
+    rows = 4
+    conv_out, a, b, a_log, dt_bias = fused_inputs(rows, hk, hv, dk, dv, device, 2, torch.bfloat16)
+    start = torch.randn(1, hv, dk, dv, generator=torch.Generator().manual_seed(3)).to(device) * 0.1
+    decoded_state = start.clone()
+    decoded = [gdn_triton.gdn_fused(decoded_state, conv_out[t : t + 1], a[t : t + 1], b[t : t + 1], a_log, dt_bias, hk, make_batch([1], [0], device), out_dtype=torch.bfloat16)
+               for t in range(3)]
+    verify_state = start.clone()
+    verified = gdn_triton.gdn_fused(verify_state, conv_out, a, b, a_log, dt_bias, hk, make_batch([rows], [0], device), write_state=False, out_dtype=torch.bfloat16)
+    assert torch.equal(verify_state, start)  # verify reads the state only
+    for t in range(3):
+        assert torch.equal(verified[t], decoded[t][0])
+    replay = SeqBatch((0,), (3,), (0,), (0,), (), torch.device(device))  # accept 3 of the 4 rows, in place
+    assert gdn_triton.gdn_fused(verify_state, conv_out, a, b, a_log, dt_bias, hk, replay, compute_output=False) is None
+    assert torch.equal(verify_state, decoded_state)

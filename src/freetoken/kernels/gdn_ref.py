@@ -31,3 +31,33 @@ def gdn_recurrent(
         if compute_output:
             outputs.append((s * q[t][:, :, None]).sum(dim=1))
     return torch.stack(outputs) if compute_output else None
+
+
+def recurrence_inputs(
+    conv_out: torch.Tensor,  # [T, 2 * Hk * Dk + Hv * Dv] = [q | k | v] after the short convolution
+    a: torch.Tensor,  # [T, Hv]
+    b: torch.Tensor,  # [T, Hv]
+    a_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    num_k_heads: int,
+    k_head_dim: int,
+    v_head_dim: int,
+):
+    """-> q, k [T, Hv, Dk] (l2-normed; q scaled by Dk^-0.5), v [T, Hv, Dv], g, beta [T, Hv], all fp32.
+    Value head j reads key head j // (Hv / Hk)."""
+    t = conv_out.shape[0]
+    num_v_heads = a.shape[-1]
+    key_dim = num_k_heads * k_head_dim
+    q, k, v = torch.split(conv_out, [key_dim, key_dim, num_v_heads * v_head_dim], dim=-1)
+    repeat = num_v_heads // num_k_heads
+
+    def l2norm(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+    q = l2norm(q.reshape(t, num_k_heads, k_head_dim)).repeat_interleave(repeat, dim=1) * k_head_dim**-0.5
+    k = l2norm(k.reshape(t, num_k_heads, k_head_dim)).repeat_interleave(repeat, dim=1)
+    v = v.reshape(t, num_v_heads, v_head_dim).float()
+    beta = torch.sigmoid(b.float())
+    g = -torch.exp(a_log.float()) * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return q, k, v, g, beta

@@ -94,3 +94,88 @@ def gdn_recurrent(
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
     )
     return out
+
+
+@triton.jit(do_not_specialize=["write_state", "write_output"])
+def _gdn_fused_kernel(
+    state_ptr, x_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr,
+    starts_ptr, counts_ptr, slots_ptr,
+    Dk, Dv, key_dim, rep, scale, write_state, write_output,
+    s_slot, s_head, s_k, x_row, a_row, b_row, o_row, o_head,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    count = tl.load(counts_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kh = h // rep
+    ks = tl.arange(0, BLOCK_K)
+    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = ks < Dk
+    mv = vs < Dv
+    s_ptrs = state_ptr + slot * s_slot + h * s_head + ks[:, None] * s_k + vs[None, :]
+    s_mask = mk[:, None] & mv[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
+    neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    for t in range(count):
+        row = start + t
+        x = x_ptr + row * x_row
+        q = tl.load(x + kh * Dk + ks, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(x + key_dim + kh * Dk + ks, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(x + 2 * key_dim + h * Dv + vs, mask=mv, other=0.0).to(tl.float32)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+        beta = tl.sigmoid(tl.load(b_ptr + row * b_row + h).to(tl.float32))
+        z = tl.load(a_ptr + row * a_row + h).to(tl.float32) + dt_bias
+        softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+        g = neg_a * softplus
+        s = s * tl.exp(g)
+        kv_mem = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
+        if write_output != 0:
+            o = tl.sum(s * q[:, None], axis=0)
+            tl.store(o_ptr + row * o_row + h * o_head + vs, o.to(o_ptr.dtype.element_ty), mask=mv)
+    if write_state != 0:
+        tl.store(s_ptrs, s, mask=s_mask)
+
+
+def gdn_fused(
+    state: torch.Tensor,  # [slots, Hv, Dk, Dv] fp32 pool
+    conv_out: torch.Tensor,  # [N, 2 * Hk * Dk + Hv * Dv] = [q | k | v] after the short convolution
+    a: torch.Tensor,  # [N, Hv] raw decay input
+    b: torch.Tensor,  # [N, Hv] raw beta input
+    a_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    num_k_heads: int,
+    batch: SeqBatch,
+    write_state: bool = True,
+    compute_output: bool = True,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor | None:
+    """The gated delta rule with its input preparation fused in (l2-norm and scale of q and k, value
+    head j reading key head j // (Hv / Hk), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias))
+    -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False. One kernel serves decode,
+    verify (write_state=False) and the commit replay (compute_output=False)."""
+    assert state.dtype == torch.float32 and state.stride(-1) == 1
+    conv_out = _inner_contiguous(conv_out)
+    a, b = _inner_contiguous(a), _inner_contiguous(b)
+    _, num_heads, dk, dv = state.shape
+    n = conv_out.shape[0]
+    out = torch.empty((n, num_heads, dv), dtype=out_dtype, device=conv_out.device) if compute_output else None
+    if batch.num_seqs == 0 or n == 0:
+        return out
+    o = out if out is not None else state  # never written when compute_output is False
+    block_v = min(32, triton.next_power_of_2(dv))
+    grid = (batch.num_seqs, num_heads, triton.cdiv(dv, block_v))
+    _gdn_fused_kernel[grid](
+        state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
+        dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
+        state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
+        o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
+    )
+    return out
