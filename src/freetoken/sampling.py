@@ -20,6 +20,12 @@ the order vLLM uses. Top-p works on the distribution left after top-k. Greedy ro
 (temperature 0) get the penalties only and take the argmax (lowest index on ties).
 A sample consumes exactly one uniform from the request's generator (inverse CDF), and a verify
 step consumes exactly k + 1, whatever is accepted, so seeded runs are reproducible.
+
+The argmax and the inverse-CDF draw run as Triton kernels where `kernels.use_triton` says so
+(kernels/sampling_triton.py), else in torch (kernels/sampling_ref.py). The draw uses an integer
+CDF whose sums do not depend on order, so CPU and GPU pick the same token for the same uniform.
+Nothing here waits for the GPU: host lists reach the device through pinned memory, and verify
+gathers the drafts a penalized row sees on the device.
 """
 
 from __future__ import annotations
@@ -97,6 +103,15 @@ def make_generator(
     return g
 
 
+def _host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list as a tensor on `device`; on CUDA through pinned memory, so the copy does
+    not wait for the GPU (a plain torch.tensor(..., device="cuda") synchronizes the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _penalize(
     logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]], extra: tuple[Tensor, list[int]] | None = None
 ) -> None:
@@ -111,16 +126,16 @@ def _penalize(
         return
     dev = logits.device
     slot = {r: i for i, r in enumerate(rows)}  # row -> its place among the penalized rows
-    flat = torch.tensor([t for r in rows for t in histories[r]], dtype=torch.int64, device=dev)
+    flat = _host_tensor([t for r in rows for t in histories[r]], torch.int64, dev)
     row_of = [slot[r] for r in rows for _ in histories[r]]
     if extra_rows:
         flat = torch.cat([flat, extra_tokens.to(dev)])
         row_of += [slot[r] for r in extra_rows]
     counts = torch.zeros(len(rows), logits.shape[1], dtype=torch.float32, device=dev)  # [R', V]
-    counts.index_put_((torch.tensor(row_of, dtype=torch.int64, device=dev), flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
-    freq = torch.tensor([params[r].frequency_penalty for r in rows], dtype=torch.float32, device=dev)
-    pres = torch.tensor([params[r].presence_penalty for r in rows], dtype=torch.float32, device=dev)
-    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    counts.index_put_((_host_tensor(row_of, torch.int64, dev), flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    freq = _host_tensor([params[r].frequency_penalty for r in rows], torch.float32, dev)
+    pres = _host_tensor([params[r].presence_penalty for r in rows], torch.float32, dev)
+    index = _host_tensor(rows, torch.int64, dev)
     penalty = counts * freq[:, None] + (counts > 0).float() * pres[:, None]
     logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
 
@@ -165,12 +180,12 @@ def process_logits(
     if not sampled:
         return x
     dev = x.device
-    index = torch.tensor(sampled, dtype=torch.int64, device=dev)
-    temp = torch.tensor([params[r].temperature for r in sampled], dtype=torch.float32, device=dev)
+    index = _host_tensor(sampled, torch.int64, dev)
+    temp = _host_tensor([params[r].temperature for r in sampled], torch.float32, dev)
     y = x.index_select(0, index) / temp[:, None]
     if any(params[r].top_k > 0 or params[r].top_p < 1.0 for r in sampled):
-        top_k = torch.tensor([params[r].top_k for r in sampled], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([params[r].top_p for r in sampled], dtype=torch.float32, device=dev)
+        top_k = _host_tensor([params[r].top_k for r in sampled], torch.int64, dev)
+        top_p = _host_tensor([params[r].top_p for r in sampled], torch.float32, dev)
         y = _top_k_top_p(y, top_k, top_p)
     x.index_copy_(0, index, y)
     return x
@@ -196,7 +211,7 @@ def probs(logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[
     x = process_logits(logits, params, histories)
     p = torch.softmax(x, dim=-1)
     if any(q.is_greedy for q in params):
-        greedy = torch.tensor([q.is_greedy for q in params], device=x.device)
+        greedy = _host_tensor([q.is_greedy for q in params], torch.bool, x.device)
         p = torch.where(greedy[:, None], _one_hot_argmax(x), p)
     return p
 
@@ -241,7 +256,7 @@ def sample(
     else:
         tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     if sampled:
-        index = torch.tensor(sampled, dtype=torch.int64, device=x.device)
+        index = _host_tensor(sampled, torch.int64, x.device)
         p = torch.softmax(x.index_select(0, index), dim=-1)
         u = _uniforms([generators[r] for r in sampled], [True] * len(sampled), 1, x.device)[:, 0]
         tokens.index_copy_(0, index, _inverse_cdf(p, u))
@@ -286,7 +301,7 @@ def verify(
     pairs = [(b * k1 + i, b * k + j) for b in range(B) if params[b].has_penalties for i in range(k1) for j in range(i)]
     extra = None
     if pairs:
-        at = torch.tensor([f for _, f in pairs], dtype=torch.int64, device=dev)
+        at = _host_tensor([f for _, f in pairs], torch.int64, dev)
         extra = (drafts.reshape(-1).index_select(0, at), [r for r, _ in pairs])
     x = process_logits(target_logits.reshape(B * k1, V), row_params, row_histories, extra)  # [B*(k+1), V]
     argmax = _argmax(x).view(B, k1)  # [B, k+1]
@@ -295,7 +310,7 @@ def verify(
         accepted_len = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [B]
         return VerifyResult(accepted_len=accepted_len, next_token=argmax[rows, accepted_len])
     x = x.view(B, k1, V)
-    greedy = torch.tensor([sp.is_greedy for sp in params], device=dev)  # [B]
+    greedy = _host_tensor([sp.is_greedy for sp in params], torch.bool, dev)  # [B]
     p = torch.softmax(x, dim=-1)  # [B, k+1, V] target distributions
 
     u = _uniforms(generators, [not sp.is_greedy for sp in params], k1, dev)  # [B, k+1]: k accepts + 1 draw
