@@ -87,3 +87,13 @@ def test_silu_mul_matches_reference(device, dtype):
     got, want = norm_triton.silu_mul(gate_up), norm_ref.silu_mul(gate_up)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
     assert torch.equal(norm_triton.silu_mul(gate_up[1:2]), got[1:2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_norm_reads_a_strided_gate_in_place(device):
+    d = 48 if device == "cpu" else 128
+    x, z, w = make(device, torch.float32, 4, d, 5)
+    wide = torch.randn(4, 3 * d + 7, generator=torch.Generator().manual_seed(6)).to(device)
+    gate = wide[:, 5 : 5 + 3 * d].view(4, 3, d)  # rows 3d + 7 apart: not reshapeable to 2-D
+    got = norm_triton.gated_rms_norm(x, gate, w, 1e-6, "silu")
+    torch.testing.assert_close(got, norm_ref.gated_rms_norm(x, gate, w, 1e-6, "silu"), **TOL[torch.float32])

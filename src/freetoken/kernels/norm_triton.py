@@ -22,6 +22,7 @@ _ACTS = {"silu": 0, "sigmoid": 1}
 def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
     D, stride_x, stride_z, stride_y, eps,
+    z_heads, z_head_stride,  # z row r is at (r // z_heads) * stride_z + (r % z_heads) * z_head_stride
     MODE: tl.constexpr,  # 0 zero-centred, 1 plain, 2 gated
     ACT: tl.constexpr,  # 0 silu, 1 sigmoid (gated only)
     BLOCK_D: tl.constexpr,
@@ -39,7 +40,7 @@ def _rms_norm_kernel(
     else:
         y = (w * n.to(x_raw.dtype).to(tl.float32)).to(y_ptr.dtype.element_ty).to(tl.float32)
         if MODE == 2:
-            z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + (row // z_heads) * stride_z + (row % z_heads) * z_head_stride + cols, mask=mask, other=0.0).to(tl.float32)
             if ACT == 0:
                 y = y * (z * tl.sigmoid(z))
             else:
@@ -51,12 +52,16 @@ def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: 
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    z2 = x2 if z is None else z.reshape(-1, d)
-    z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
+    z_heads, z_head_stride = 1, 0
+    if z is not None and z.dim() == 3 and z.stride(-1) == 1:  # e.g. a column slice of a merged projection, viewed per head
+        z2, z_heads, z_head_stride = z, z.shape[1], z.stride(1)
+    else:
+        z2 = x2 if z is None else z.reshape(-1, d)
+        z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
     y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, z2, weight.contiguous(), y, d, x2.stride(0), z2.stride(0), y.stride(0), eps,
+            x2, z2, weight.contiguous(), y, d, x2.stride(0), z2.stride(0), y.stride(0), eps, z_heads, z_head_stride,
             MODE=mode, ACT=act, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
         )
     return y.view(x.shape)
