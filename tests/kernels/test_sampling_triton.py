@@ -4,9 +4,10 @@ Oracles: `torch.argmax` on the same device (random rows, ties, -inf, all dtypes)
 indices where torch's behaviour is not the point (NaN); `sampling_ref.inverse_cdf` for exact token
 equality on the same uniforms; hand-computed interval boundaries; and the known distribution
 itself: evenly spaced uniforms u_j = (j + 1/2) / N must land in token i between N p_i - 1 and
-N p_i + 1 times (a total-variation bound of V / 2N), and on a GPU a chi-square test over 4000
-seeded draws. Under the CPU interpreter each program costs milliseconds, so shapes stay small
-there (a second argmax chunk still appears at V > 8192).
+N p_i + 1 times (a total-variation bound of V / 2N), and a chi-square test over seeded draws
+(300 under the CPU interpreter, 4000 on a GPU; tests/test_sampling.py draws 20000 through the
+torch path, which the kernel equals token for token). Under the interpreter each program costs
+milliseconds, so shapes stay small there (a second argmax chunk still appears at V > 8192).
 """
 
 import pytest
