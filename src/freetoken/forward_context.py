@@ -58,11 +58,8 @@ class GDNStash:
     """
 
     conv_rows: torch.Tensor  # [N, C] raw pre-conv rows
-    q: torch.Tensor  # [N, Hv, Dk] fp32
-    k: torch.Tensor  # [N, Hv, Dk] fp32
-    v: torch.Tensor  # [N, Hv, Dv] fp32
-    g: torch.Tensor  # [N, Hv] fp32
-    beta: torch.Tensor  # [N, Hv] fp32
+    inputs: tuple[torch.Tensor, ...]  # (q, k, v, g, beta) fp32, or (conv_out, a, b) when `fused`
+    fused: bool = False  # the recurrence prepares its inputs itself (the Triton path)
 
 
 @dataclass

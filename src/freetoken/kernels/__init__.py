@@ -137,6 +137,14 @@ def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: tor
     return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
 
 
+def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32):
+    """The gated delta rule over the state pool [slots, Hv, Dk, Dv] with its input preparation fused in
+    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused."""
+    from freetoken.kernels import gdn_triton
+
+    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype)
+
+
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
     """Gated delta rule over the state pool [slots, Hv, Dk, Dv]; see batched.gdn_recurrent_batched."""
     if use_triton(q):
@@ -177,6 +185,7 @@ __all__ = [
     "causal_conv1d_batched",
     "gated_rms_norm",
     "gdn_chunked_prefill",
+    "gdn_fused_recurrent",
     "gdn_recurrent_batched",
     "linear",
     "moe_experts",

@@ -97,6 +97,7 @@ class GatedDeltaNet(nn.Module):
             self.conv1d.shard_specs = {"weight": ShardSpec(0, qkv_rows)}
             self.shard_specs = {"A_log": ShardSpec(0, ((v0, v1),)), "dt_bias": ShardSpec(0, ((v0, v1),))}
         self.state_index = state_index  # which slice of the linear-state pool this layer owns
+        self.in_proj_weight: torch.Tensor | None = None  # [qkv | z | b | a] rows once merged (layers/merge.py)
 
     def _recurrence_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
         """conv_out [T, C], a, b [T, Hv] -> q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv], all fp32."""
@@ -120,17 +121,45 @@ class GatedDeltaNet(nn.Module):
         parts = [self._recurrence_inputs(conv_out[r], a[r], b[r]) for r in map(batch.rows, range(batch.num_seqs))]
         return tuple(torch.cat(p) for p in zip(*parts))
 
+    def merge_projections(self) -> None:
+        """Read the four input projections [qkv | z | b | a] as one weight."""
+        if self.in_proj_weight is None:
+            from freetoken.layers.merge import merge_linears
+
+            self.in_proj_weight = merge_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+
+    def _project(self, x: torch.Tensor):
+        """x [N, H] -> mixed_qkv [N, C], z [N, Hv, Dv], b, a [N, Hv] (column views when merged)."""
+        n = x.shape[0]
+        if self.in_proj_weight is None:
+            mixed_qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        else:
+            hv = self.num_v_heads
+            mixed_qkv, z, b, a = torch.split(kernels.linear(x, self.in_proj_weight), [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
+        return mixed_qkv, z.view(n, self.num_v_heads, self.v_head_dim), b, a
+
+    def _fused(self, x: torch.Tensor, ctx: ForwardContext, batch: kernels.SeqBatch) -> bool:
+        """Whether the recurrence prepares its own inputs (the Triton path): every step except an
+        extend that has a sequence long enough for the chunked rule."""
+        if not kernels.use_triton(x):
+            return False
+        return ctx.mode is ForwardMode.VERIFY or all(count < CHUNKED_MIN_ROWS for count in batch.num_rows)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
-        mixed_qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(n, self.num_v_heads, self.v_head_dim)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        mixed_qkv, z, b, a = self._project(x)
         conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
         verify = ctx.mode is ForwardMode.VERIFY
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
         conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=not verify)
+        if self._fused(x, ctx, batch):
+            core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=not verify, out_dtype=x.dtype)
+            if verify:
+                ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
+            y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
+            return self.out_proj(y)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         if verify:
             core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False)
@@ -138,7 +167,7 @@ class GatedDeltaNet(nn.Module):
             core = _extend_recurrence(recurrent_pool, q, k, v, g, beta, batch)
         core = core.to(x.dtype)
         if verify:
-            ctx.stash[self.state_index] = GDNStash(mixed_qkv, q, k, v, g, beta)
+            ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y)
 
@@ -147,5 +176,8 @@ class GatedDeltaNet(nn.Module):
         stash = ctx.stash[self.state_index]
         state = ctx.linear_state
         recurrent, conv = state.recurrent[self.state_index], state.conv[self.state_index]
-        kernels.gdn_recurrent_batched(recurrent, stash.q, stash.k, stash.v, stash.g, stash.beta, replay, compute_output=False)
+        if stash.fused:
+            kernels.gdn_fused_recurrent(recurrent, *stash.inputs, self.A_log, self.dt_bias, self.num_k_heads, replay, compute_output=False)
+        else:
+            kernels.gdn_recurrent_batched(recurrent, *stash.inputs, replay, compute_output=False)
         kernels.causal_conv1d_batched(conv, stash.conv_rows, self.conv1d.weight[:, 0, :], replay)
