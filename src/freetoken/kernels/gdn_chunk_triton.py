@@ -184,7 +184,7 @@ def gdn_chunked(
         dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
-        C=CHUNK, LOG2_C=CHUNK.bit_length() - 1, BLOCK_K=_block(dk, 64), BLOCK_V=_block(dv, 64), num_warps=4,
+        C=CHUNK, LOG2_C=CHUNK.bit_length() - 1, BLOCK_K=_block(dk, 64), BLOCK_V=_block(dv, 64), num_warps=4, num_stages=1,
     )
     block_v = _block(dv, 32)
     _chain_kernel[(batch.num_seqs, num_heads, triton.cdiv(dv, block_v))](
@@ -193,6 +193,6 @@ def gdn_chunked(
         state.stride(0), state.stride(1), state.stride(2),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
         u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1), out.stride(0), out.stride(1),
-        C=CHUNK, BLOCK_K=_block(dk, 1 << 30), BLOCK_V=block_v, num_warps=4,
+        C=CHUNK, BLOCK_K=_block(dk, 1 << 30), BLOCK_V=block_v, num_warps=4, num_stages=1,
     )
     return out
