@@ -26,6 +26,7 @@ class SeqRows:
     num_cached_tokens: int  # tokens already in the KV cache before this step
     block_table: torch.Tensor  # [max_blocks] int32, on the model's device
     state_slot: int  # row of the linear-attention state pool
+    chunkable_end: int | None = None  # prefill: positions below it may take a chunked rule (whole prompt chunks); None: any
 
     @property
     def rows(self) -> slice:

@@ -42,6 +42,31 @@ def test_chunked_prefill_budget_does_not_change_outputs(dtype, tiny_checkpoint):
     assert runs[1] == runs[3] == runs[7] == runs[512]
 
 
+def test_long_prompts_get_the_same_state_whatever_the_cut(tiny_checkpoint):
+    """Prompts past the GDN chunk (64) cut at different budgets, alone or sharing steps: the pieces are
+    cut at multiples of 64, so every position takes the same rule and the GDN state after the prompt
+    and the greedy continuation are bitwise the same (CPU, fp32)."""
+    model = load_unified(tiny_checkpoint(TinySpec())[1], with_mtp=False)
+    prompts = [[(i * 13 + 5) % 256 for i in range(n)] for n in (150, 70, 200)]
+    outputs, states = {}, {}
+    for budget in (100, 160, 512):
+        engine = LLMEngine(model, EngineConfig(max_model_len=256, max_num_seqs=3, max_num_batched_tokens=budget))
+        requests = [engine.add_request(p, greedy(6)) for p in prompts]
+        cuts = []
+        while any(r.in_prefill for r in requests):
+            before = [r.num_cached_tokens for r in requests]
+            engine.step()
+            cuts += [r.num_cached_tokens for r, b in zip(requests, before) if r.num_cached_tokens != b]
+        assert all(c % 64 == 0 or c in (149, 69, 199) for c in cuts), cuts  # the last prompt token is decoded
+        states[budget] = [engine.state_pool.state.recurrent[:, r.state_slot].clone() for r in requests]
+        while engine.scheduler.has_work:
+            engine.step()
+        outputs[budget] = [r.output_token_ids for r in requests]
+    for budget in (160, 512):
+        assert outputs[budget] == outputs[100]
+        assert all(torch.equal(a, b) for a, b in zip(states[budget], states[100]))
+
+
 def test_one_token_prompt_matches_transformers(tiny_checkpoint):
     hf_dir, unified = tiny_checkpoint(TinySpec())
     out = _run(load_unified(unified, with_mtp=False), [[42]], greedy(10), max_num_seqs=2)[0]

@@ -83,32 +83,35 @@ def test_triton_chunked_matches_references_and_writes_only_its_slots(device, reg
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_extend_splits_by_length_on_triton(device, monkeypatch):
-    """The layer's EXTEND rule on the Triton path: long sequences chunked, short ones recurrent, one
-    output tensor; the result equals the recurrence over the whole batch."""
+def test_extend_split_then_recurrence_equals_the_recurrence(device, monkeypatch):
+    """The layer's EXTEND rule: whole aligned chunks chunked (up to the chunkable end), every other row
+    (unaligned starts, partial chunks) by the recurrence afterwards; equals the recurrence throughout."""
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     heads, dk, dv = (2, 16, 16) if device == "cpu" else (32, 128, 128)
-    num_rows, slots = [70, 3, 1, 64], [1, 3, 0, 2]
-    batch = make_batch(num_rows, slots, device)
+    num_rows, cached, ends, slots = [70, 3, 130, 64], [0, 0, 5, 64], [None, None, None, 100], [1, 3, 0, 2]
+    starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+    batch = SeqBatch(tuple(starts), tuple(num_rows), tuple(cached), tuple(slots), (), torch.device(device), tuple(ends))
+    chunked, rest = linear_attn.split_extend(batch)
+    # 70 rows from 0: one whole chunk + 6; 3 rows: none; unaligned start 5: none; 64..128 capped at 100: none.
+    assert chunked.num_rows == (64, 0, 0, 0) and rest.num_rows == (6, 3, 130, 64)
+    assert rest.row_starts == (64, 70, 73, 203) and rest.num_cached == (64, 0, 5, 64)
+    assert linear_attn.split_extend(batch) == (chunked, rest)  # kept for the step's other layers
     inputs = gdn_inputs(sum(num_rows), heads, dk, dv, "random", seed=9, device=device)
     pool = (torch.randn(4, heads, dk, dv, generator=torch.Generator().manual_seed(2)) * 0.5).to(device)
-
-    calls = []
-    chunked = freetoken.kernels.gdn_chunked_prefill
-    monkeypatch.setattr(freetoken.kernels, "gdn_chunked_prefill", lambda *a, **kw: calls.append(a[-1].num_rows) or chunked(*a, **kw))
     want_pool = pool.clone()
     want = batched.gdn_recurrent_batched(want_pool, *inputs, batch)
     got_pool = pool.clone()
-    got = linear_attn._extend_recurrence(got_pool, *inputs, batch)
-    assert calls == [(70, 0, 0, 64)]
+    got = freetoken.kernels.gdn_chunked_prefill(got_pool, *inputs, chunked)
+    tail = freetoken.kernels.gdn_recurrent_batched(got_pool, *inputs, rest)
+    got[64:] = tail[64:]
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(got_pool, want_pool, **TOL)
 
 
 @torch.no_grad()
 def test_model_prefill_and_next_decode_match_transformers(tiny_checkpoint, monkeypatch):
-    """CPU default path (torch references): prompts of 100 and 70 rows take the chunked rule in the
-    same step as a 5-row prompt on the recurrence; hidden states of every prompt row and of one
+    """CPU default path (torch references): the first 64 rows of prompts of 100 and 70 rows take the
+    chunked rule, their other rows and a 5-row prompt the recurrence, in one step; hidden states of every prompt row and of one
     decode row per sequence (from the states the prefill wrote) match transformers."""
     from freetoken.engine.config import EngineConfig
     from freetoken.engine.engine import LLMEngine
@@ -131,7 +134,7 @@ def test_model_prefill_and_next_decode_match_transformers(tiny_checkpoint, monke
     monkeypatch.setattr(freetoken.kernels, "gdn_chunked_prefill", lambda *a, **kw: calls.append(a[-1].num_rows) or chunked(*a, **kw))
     prefill = build_context([RowGroup(t, s, 0, ids) for t, s, ids in zip(tables, slots, prompts)], ForwardMode.EXTEND, engine.kv_pool, engine.state_pool, engine.device)
     hidden = model(prefill)
-    assert calls and all(c == (100, 0, 70) for c in calls)
+    assert calls and all(c == (64, 0, 64) for c in calls)  # whole aligned chunks; the 36 and 6 rows after them recur
     nxt = [[7], [8], [9]]
     decode = build_context([RowGroup(t, s, len(ids), x) for t, s, ids, x in zip(tables, slots, prompts, nxt)], ForwardMode.EXTEND, engine.kv_pool, engine.state_pool, engine.device)
     decoded = model(decode)

@@ -19,6 +19,7 @@ class EngineConfig:
     num_draft_tokens: int = 0
     seed: int = 0
     tensor_parallel: int = 1  # processes sharing the model (one per GPU); see freetoken.distributed
+    prefill_align: int = 64  # prompts are cut into prefill pieces at multiples of this (the chunked GDN rule's chunk)
     cuda_graphs: bool = True  # replay decode/verify forwards as CUDA graphs where supported (dense, CUDA, Triton)
 
     def __post_init__(self):

@@ -61,7 +61,7 @@ class LLMEngine:
         self.graphs = None
         if config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device):
             self.graphs = DecodeGraphs(model, max_blocks_per_seq=-(-(config.max_model_len + k + 1) // config.block_size))
-        self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k)
+        self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
         self._next_id = 0
@@ -115,7 +115,9 @@ class LLMEngine:
         return []
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
-        groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length]) for c in chunks]
+        align = self.scheduler.prefill_align
+        groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length],
+                           chunkable_end=len(c.request.prompt_token_ids) // align * align) for c in chunks]
         ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
         hidden = self.model(ctx)
         committed = []

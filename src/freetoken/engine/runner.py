@@ -19,6 +19,7 @@ class RowGroup:
     state_slot: int | None
     start: int
     token_ids: list[int]
+    chunkable_end: int | None = None  # see SeqRows.chunkable_end
 
 
 def build_context(groups: list[RowGroup], mode: ForwardMode, kv_pool: KVPool, state_pool: LinearStatePool | None, device: torch.device) -> ForwardContext:
@@ -35,6 +36,7 @@ def build_context(groups: list[RowGroup], mode: ForwardMode, kv_pool: KVPool, st
                 num_cached_tokens=group.start,
                 block_table=torch.tensor(group.block_table, dtype=torch.int32, device=device),
                 state_slot=-1 if group.state_slot is None else group.state_slot,
+                chunkable_end=group.chunkable_end,
             )
         )
         input_ids += group.token_ids

@@ -6,6 +6,11 @@ nano-vllm. A decode step reserves KV for k+1 new rows per request; if the pool c
 the most recently admitted request is preempted: its blocks and state slot are freed and it is
 re-queued, to be recomputed later from its tokens. Recompute is exact because every op is
 row-invariant and the GDN recurrence is the same in prefill and decode.
+
+A prompt is cut into pieces at multiples of `prefill_align` (when the budget allows at least one
+such piece): the chunked GDN rule then always sees whole aligned chunks, and which rule a position
+gets does not depend on the cut (layers/linear_attn.split_extend), so outputs do not depend on how
+many requests shared the prefill steps either.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, kv_pool: KVPool, state_pool: LinearStatePool | None, max_num_seqs: int, max_num_batched_tokens: int, num_draft_tokens: int):
+    def __init__(self, kv_pool: KVPool, state_pool: LinearStatePool | None, max_num_seqs: int, max_num_batched_tokens: int, num_draft_tokens: int, prefill_align: int = 64):
         self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.prefill_align = prefill_align if max_num_batched_tokens >= prefill_align else 1
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.rows_per_decode = num_draft_tokens + 1
@@ -111,7 +117,12 @@ class Scheduler:
         return chunks
 
     def _chunk(self, request: Request, budget: int) -> PrefillChunk | None:
-        length = min(budget, request.num_prefill_tokens - request.num_cached_tokens)
+        remaining = request.num_prefill_tokens - request.num_cached_tokens
+        length = min(budget, remaining)
+        if length < remaining:  # a cut inside the prompt lands on a multiple of prefill_align
+            length -= (request.num_cached_tokens + length) % self.prefill_align
+            if length <= 0:
+                return None
         end = request.num_cached_tokens + length
         if not self.kv_pool.can_grow(request.block_table, end):
             return None

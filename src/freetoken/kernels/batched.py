@@ -28,13 +28,14 @@ class SeqBatch:
     state_slots: tuple[int, ...]  # linear-state pool row of each sequence (-1: none)
     block_tables: tuple[torch.Tensor, ...]  # per sequence: [max_blocks] int32 on the device
     device: torch.device
+    chunkable_ends: tuple[int | None, ...] | None = None  # per sequence: positions below it may take the chunked GDN rule (None: any)
 
     @classmethod
     def from_seqs(cls, seqs, device: torch.device) -> SeqBatch:
         """From the engine's `SeqRows` list."""
         return cls(
             tuple(s.row_start for s in seqs), tuple(s.num_rows for s in seqs), tuple(s.num_cached_tokens for s in seqs),
-            tuple(s.state_slot for s in seqs), tuple(s.block_table for s in seqs), device,
+            tuple(s.state_slot for s in seqs), tuple(s.block_table for s in seqs), device, tuple(s.chunkable_end for s in seqs),
         )
 
     def with_rows(self, num_rows: list[int]) -> SeqBatch:

@@ -28,7 +28,7 @@ from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
-TARGET_PROGRAMS = 512  # programs per launch at M <= BLOCK_M: about four per SM on an H200
+TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_speed.py)
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class LinearConfig:
     block_k: int
     split: int  # slices of K
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -9,11 +9,13 @@ in place; in VERIFY mode they are only read and each row's inputs are stashed; `
 accepted rows through the same batched recurrence and convolution. Each op covers all sequences of
 the step in one call (one kernel launch on the GPU).
 
-Prefill: in EXTEND mode a sequence with at least CHUNKED_MIN_ROWS rows in the step runs the
-chunked form of the rule (`kernels.gdn_chunked_prefill`), which equals the recurrence up to fp32
-rounding; every other sequence (decode rows, short prompt pieces) runs the recurrence. The choice
-depends only on the sequence's own row count, never on which requests share the step. Decode,
-verify and the commit replay therefore always run the recurrence, bit for bit alike.
+Prefill: in EXTEND mode whole CHUNK-aligned chunks of a prompt run the chunked form of the rule
+(`kernels.gdn_chunked_prefill`, equal to the recurrence up to fp32 rounding); the prompt's last
+partial chunk, generated tokens and decode rows run the recurrence (`split_extend`). Which rule a
+position gets depends on the position and the prompt length only, never on how the scheduler cut
+the prompt or which requests share the step (the scheduler cuts at multiples of CHUNK), so a
+recompute after preemption reproduces the same bits. Decode, verify and the commit replay always
+run the recurrence, bit for bit alike.
 
 Across ranks the key heads and the value heads are split evenly (value head j reads key head
 j // (Hv / Hk), so a rank's value heads read only its own key heads); the fused [q | k | v]
@@ -34,7 +36,7 @@ from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
 from freetoken.layers.basic import GatedRMSNorm, _empty
 from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
-CHUNKED_MIN_ROWS = 64  # one full chunk: below it the chunked form does a chunk's work for fewer rows
+CHUNK = 64  # the chunked rule's chunk; prefill pieces are cut at multiples of it (engine/scheduler.py)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -42,30 +44,38 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _split_by_length(batch: kernels.SeqBatch) -> tuple[kernels.SeqBatch, kernels.SeqBatch]:
-    """(chunked, recurrent): the step's sequences at their own rows, each keeping only the sequences on
-    its side of CHUNKED_MIN_ROWS; kept on the batch for the step's other GDN layers."""
-    split = batch.__dict__.get("_gdn_split")
-    if split is None:
-        long = [n >= CHUNKED_MIN_ROWS for n in batch.num_rows]
-        split = (
-            batch.accepted([n if is_long else 0 for n, is_long in zip(batch.num_rows, long)]),
-            batch.accepted([0 if is_long else n for n, is_long in zip(batch.num_rows, long)]),
+def split_extend(batch: kernels.SeqBatch) -> tuple[kernels.SeqBatch | None, kernels.SeqBatch]:
+    """(chunked part or None, recurrent part) of an EXTEND step, kept on the batch for its other GDN layers.
+
+    A sequence whose rows start at a multiple of CHUNK sends its rows up to the last multiple of CHUNK
+    at or before min(its end, its chunkable end) to the chunked rule; its other rows (all of them if
+    the start is not aligned) run the recurrence afterwards. So the rule a position gets depends on
+    the position and the prompt length alone, not on how the prompt was cut into steps."""
+    cached = batch.__dict__.get("_gdn_split")
+    if cached is not None:
+        return cached
+    ends = batch.chunkable_ends or (None,) * batch.num_seqs
+    chunk_rows = []
+    for start, n, limit in zip(batch.num_cached, batch.num_rows, ends):
+        end = start + n if limit is None else min(start + n, limit)
+        chunk_rows.append(max(0, end // CHUNK * CHUNK - start) if start % CHUNK == 0 else 0)
+    if not any(chunk_rows):
+        split = (None, batch)
+    else:
+        chunked = kernels.SeqBatch(batch.row_starts, tuple(chunk_rows), batch.num_cached, batch.state_slots, batch.block_tables, batch.device)
+        rest = kernels.SeqBatch(
+            tuple(s + c for s, c in zip(batch.row_starts, chunk_rows)), tuple(n - c for n, c in zip(batch.num_rows, chunk_rows)),
+            tuple(s + c for s, c in zip(batch.num_cached, chunk_rows)), batch.state_slots, batch.block_tables, batch.device,
         )
-        batch.__dict__["_gdn_split"] = split
+        split = (chunked, rest)
+    batch.__dict__["_gdn_split"] = split
     return split
 
 
-def _extend_recurrence(pool: torch.Tensor, q, k, v, g, beta, batch: kernels.SeqBatch) -> torch.Tensor:  # -> [N, Hv, Dv] fp32
-    """EXTEND: the chunked rule for sequences with >= CHUNKED_MIN_ROWS rows, the recurrence for the rest."""
-    lengths = batch.num_rows
-    if all(n < CHUNKED_MIN_ROWS for n in lengths):
-        return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch)
-    if all(n >= CHUNKED_MIN_ROWS for n in lengths):
-        return kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, batch)
-    chunked, recurrent = _split_by_length(batch)
-    out = kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, recurrent)
-    return kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked, out=out)
+def _rows_of(batch: kernels.SeqBatch) -> torch.Tensor:
+    """[n] int64 indices of the batch's rows."""
+    idx = [r for i in range(batch.num_seqs) for r in range(batch.row_starts[i], batch.row_starts[i] + batch.num_rows[i])]
+    return torch.tensor(idx, dtype=torch.long, device=batch.device)
 
 
 class GatedDeltaNet(nn.Module):
@@ -138,12 +148,28 @@ class GatedDeltaNet(nn.Module):
             mixed_qkv, z, b, a = torch.split(kernels.linear(x, self.in_proj_weight), [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
         return mixed_qkv, z.view(n, self.num_v_heads, self.v_head_dim), b, a
 
-    def _fused(self, x: torch.Tensor, ctx: ForwardContext, batch: kernels.SeqBatch) -> bool:
-        """Whether the recurrence prepares its own inputs (the Triton path): every step except an
-        extend that has a sequence long enough for the chunked rule."""
-        if not kernels.use_triton(x):
-            return False
-        return ctx.mode is ForwardMode.VERIFY or all(count < CHUNKED_MIN_ROWS for count in batch.num_rows)
+    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype):
+        """The recurrence over batch's rows: the fused kernel on the Triton path, else torch -> [N, Hv, Dv]."""
+        if kernels.use_triton(conv_out):
+            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype)
+        q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+        return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch, write_state=write_state).to(out_dtype)
+
+    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype) -> torch.Tensor:  # -> [N, Hv, Dv]
+        """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence."""
+        chunked, rest = split_extend(batch)
+        if chunked is None:
+            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype)
+        q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+        out = kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked)  # fp32; the chunked rows only
+        if sum(rest.num_rows):
+            rows = _rows_of(rest)
+            if kernels.use_triton(conv_out):
+                tail = self._recurrence(pool, conv_out, a, b, rest, True, torch.float32)
+            else:
+                tail = kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, rest)
+            out[rows] = tail[rows]
+        return out.to(out_dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
@@ -151,23 +177,19 @@ class GatedDeltaNet(nn.Module):
         conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
-        verify = ctx.mode is ForwardMode.VERIFY
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
-        conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=not verify)
-        if self._fused(x, ctx, batch):
-            core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=not verify, out_dtype=x.dtype)
-            if verify:
+        if ctx.mode is ForwardMode.VERIFY:
+            conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
+            if kernels.use_triton(x):
+                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
-            y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
-            return self.out_proj(y)
-        q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
-        if verify:
-            core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False)
+            else:
+                q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+                core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
+                ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
-            core = _extend_recurrence(recurrent_pool, q, k, v, g, beta, batch)
-        core = core.to(x.dtype)
-        if verify:
-            ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
+            conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch)
+            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y)
 
