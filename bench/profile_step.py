@@ -29,11 +29,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--host", action="store_true", help="profile the host side of graphed steps (cProfile) instead")
     args = ap.parse_args()
     cfg = SHAPES[args.shape]
     spec = "oracle" if args.k else "none"
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + 64 + args.k + 2,
-                          cuda_graphs=False, spec=spec, num_draft_tokens=args.k)
+                          cuda_graphs=args.host, spec=spec, num_draft_tokens=args.k)
     model = random_model(cfg, "cuda", torch.bfloat16, with_mtp=False)
     engine = LLMEngine(model, config)
     prompt = torch.randint(0, cfg.vocab_size - 16, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -45,6 +46,18 @@ def main() -> None:
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
+    if args.host:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             engine.step()

@@ -52,13 +52,14 @@ def bench(
         results = launch(bench_rank, tensor_parallel, shape, list(batch_size), kwargs, device=device)[0]
     tp = f", tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else ""
     table = Table(title=f"freetoken bench {shape} ({dtype.value}, {device}{tp})")
-    for col in ("batch", "spec", "decode tok/s", "step ms", "floor step ms", "fraction of floor", "accept/pos", "tok/step", "speedup", "step cost"):
+    for col in ("batch", "spec", "decode tok/s", "step ms", "floor step ms", "fraction of floor", "accept/pos", "tok/step", "speedup", "step cost", "forward ms", "forward cost"):
         table.add_column(col)
     for r in results:
         name = f"{r.spec} k={r.num_draft_tokens}" + (f" corrupt={r.corrupt_rate:g}" if r.corrupt_rate is not None else "")
         table.add_row(str(r.batch_size), name, f"{r.decode_tokens_per_s:.1f}", f"{r.step_ms:.2f}", f"{r.floor_step_ms:.2f}",
                       f"{r.fraction_of_floor:.1%}", " ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "-", f"{r.mean_accepted_len:.2f}",
-                      f"{r.speedup_vs_no_spec:.2f}x" if r.speedup_vs_no_spec else "-", f"{r.step_cost_vs_decode:.2f}x" if r.step_cost_vs_decode else "-")
+                      f"{r.speedup_vs_no_spec:.2f}x" if r.speedup_vs_no_spec else "-", f"{r.step_cost_vs_decode:.2f}x" if r.step_cost_vs_decode else "-",
+                      f"{r.forward_ms:.2f}" if r.forward_ms else "-", f"{r.forward_cost_vs_decode:.2f}x" if r.forward_cost_vs_decode else "-")
     console.print(table)
     path = out or Path("bench/results") / f"{shape}-{spec}.json"
     write_results(path, "freetoken " + " ".join(sys.argv[1:]), results)

@@ -137,6 +137,28 @@ class BenchResult:
     kernels: str
     tensor_parallel: int = 1
     cuda_graphs: bool = False
+    forward_ms: float | None = None  # one replay of the step's forward graph (decode, or verify of k+1 rows), GPU time
+    forward_cost_vs_decode: float | None = None  # forward_ms over the no-spec decode forward_ms
+
+
+def graph_forward_ms(engine, rows_per_request: int, repeats: int = 50) -> float | None:
+    """Mean GPU time of one replay of the engine's captured forward graph with rows_per_request rows
+    per request (its last use; the pools' contents no longer matter)."""
+    graphs = getattr(engine, "graphs", None)
+    if graphs is None or not torch.cuda.is_available():
+        return None
+    entries = [g for (b, rows, _), g in graphs.graphs.items() if rows == rows_per_request]
+    if not entries:
+        return None
+    graph = entries[0].graph
+    graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / repeats
 
 
 def _warm_up(engine, prompts: list[list[int]]) -> None:
@@ -203,6 +225,7 @@ def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tok
     engine = LLMEngine(model, base_config)
     requests, prefill_s, decode_s = _timed_generate(engine, prompts, params, device)
     base = result(engine, "none", 0, None, prefill_s, decode_s, None)
+    base.forward_ms = graph_forward_ms(engine, 1)
     results = [base]
     if spec == "none":
         return results
@@ -215,7 +238,11 @@ def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tok
         reqs, prefill_s, decode_s = _timed_generate(engine, prompts, params, device)
         if [r.output_token_ids for r in reqs] != continuations:
             raise AssertionError(f"{spec} k={num_draft_tokens} changed the greedy output")
-        results.append(result(engine, spec, num_draft_tokens, rate, prefill_s, decode_s, base))
+        run = result(engine, spec, num_draft_tokens, rate, prefill_s, decode_s, base)
+        run.forward_ms = graph_forward_ms(engine, num_draft_tokens + 1)
+        if run.forward_ms and base.forward_ms:
+            run.forward_cost_vs_decode = run.forward_ms / base.forward_ms
+        results.append(run)
     return results
 
 
