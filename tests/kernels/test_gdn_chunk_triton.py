@@ -75,9 +75,12 @@ def test_triton_chunked_matches_references_and_writes_only_its_slots(device, reg
     got_pool = pool.clone()
     got = gdn_chunk_triton.gdn_chunked(got_pool, *inputs, batch)
 
+    # On the GPU, exp is a hardware approximation (a few ulp); with decays down to e^-40 a few state
+    # entries then sit up to ~7e-5 (absolute, relative 4e-4) from the CPU-exact references.
+    tol = dict(rtol=1e-3, atol=1e-4) if device == "cuda" and regime == "decay" else TOL
     for oracle, oracle_pool in ((want, want_pool), (ref, ref_pool)):
-        torch.testing.assert_close(got, oracle, **TOL)
-        torch.testing.assert_close(got_pool, oracle_pool, **TOL)
+        torch.testing.assert_close(got, oracle, **tol)
+        torch.testing.assert_close(got_pool, oracle_pool, **tol)
     assert torch.equal(got_pool[5], pool[5]) and torch.equal(got_pool[3], pool[3])  # unused / zero-row slots
     assert not torch.equal(got_pool[4], pool[4])  # a one-row sequence still advances its slot
 

@@ -24,7 +24,7 @@ from freetoken.kernels.batched import SeqBatch
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_N = 64
-PARTITION = 128  # keys per partition: a multiple of BLOCK_N
+PARTITION = 64  # keys per partition: a multiple of BLOCK_N
 WORKSPACE_BYTES = 64 << 20
 
 
