@@ -137,17 +137,17 @@ class BenchResult:
     kernels: str
     tensor_parallel: int = 1
     cuda_graphs: bool = False
-    forward_ms: float | None = None  # one replay of the step's forward graph (decode, or verify of k+1 rows), GPU time
+    forward_ms: float | None = None  # one replay of the step's graph (decode, or verify of k+1 rows; greedy: with verify and commit), GPU time
     forward_cost_vs_decode: float | None = None  # forward_ms over the no-spec decode forward_ms
 
 
 def graph_forward_ms(engine, rows_per_request: int, repeats: int = 50) -> float | None:
-    """Mean GPU time of one replay of the engine's captured forward graph with rows_per_request rows
+    """Mean GPU time of one replay of the engine's captured step graph with rows_per_request rows
     per request (its last use; the pools' contents no longer matter)."""
     graphs = getattr(engine, "graphs", None)
     if graphs is None or not torch.cuda.is_available():
         return None
-    entries = [g for (b, rows, _), g in graphs.graphs.items() if rows == rows_per_request]
+    entries = [g for (_, rows, _, _), g in graphs.graphs.items() if rows == rows_per_request]
     if not entries:
         return None
     graph = entries[0].graph

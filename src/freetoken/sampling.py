@@ -303,6 +303,8 @@ def verify(
     if pairs:
         at = _host_tensor([f for _, f in pairs], torch.int64, dev)
         extra = (drafts.reshape(-1).index_select(0, at), [r for r, _ in pairs])
+    if all(sp.is_greedy and not sp.has_penalties for sp in params):
+        return greedy_verify(target_logits, drafts)
     x = process_logits(target_logits.reshape(B * k1, V), row_params, row_histories, extra)  # [B*(k+1), V]
     argmax = _argmax(x).view(B, k1)  # [B, k+1]
     rows = torch.arange(B, device=dev)
@@ -337,6 +339,19 @@ def verify(
         target = torch.where(usable[:, None], residual, target)
     drawn = _inverse_cdf(target, u[:, k])
     next_token = torch.where(greedy, argmax[rows, accepted_len], drawn)
+    return VerifyResult(accepted_len=accepted_len, next_token=next_token)
+
+
+def greedy_verify(target_logits: Tensor, drafts: Tensor) -> VerifyResult:
+    """`verify` for greedy requests without penalties, on the device only (a CUDA graph captures it).
+
+    target_logits: [B, k+1, V] raw logits (the argmax of any float dtype equals that of its fp32
+    copy); drafts: [B, k] int64 on the same device.
+    """
+    B, k1, V = target_logits.shape
+    argmax = _argmax(target_logits.reshape(B * k1, V)).view(B, k1)  # [B, k+1]
+    accepted_len = (drafts == argmax[:, : k1 - 1]).long().cumprod(dim=1).sum(dim=1)  # [B]
+    next_token = argmax.gather(1, accepted_len[:, None]).squeeze(1)  # [B]
     return VerifyResult(accepted_len=accepted_len, next_token=next_token)
 
 

@@ -19,23 +19,37 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 PROMPTS = [[5, 17, 300, 2, 9], [44] * 12, [7, 8, 9], list(range(100, 131)), [1000, 3, 77, 512, 6, 6, 6]]
 
 
-def _run(model, graphs: bool, spec: str = "none", k: int = 0) -> list[list[int]]:
+def _run(model, graphs: bool, spec: str = "none", k: int = 0, params: SamplingParams | None = None) -> list[list[int]]:
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, spec=spec, num_draft_tokens=k, cuda_graphs=graphs, max_model_len=256)
     engine = LLMEngine(model, config)
-    reqs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    reqs = engine.generate(PROMPTS, params or SamplingParams(max_new_tokens=48, ignore_eos=True))
     if graphs:
         assert engine.graphs is not None and engine.graphs.graphs, "no graph was captured"
     return [r.output_token_ids for r in reqs]
 
 
-@pytest.mark.parametrize("family", ["qwen35_dense", "qwen35_moe"])
-def test_graphs_equal_eager_and_spec_equals_no_spec(fixture_unified, family):
+def _model(fixture_unified, family: str):
     from freetoken.checkpoint.reader import UnifiedCheckpoint
     from freetoken.models.loader import load_model
 
     ck = UnifiedCheckpoint.open(fixture_unified(family))
-    model = load_model(ck, ck.family, ck.config, with_mtp=True, device="cuda", dtype=torch.bfloat16)
+    return load_model(ck, ck.family, ck.config, with_mtp=True, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["qwen35_dense", "qwen35_moe"])
+def test_graphs_equal_eager_and_spec_equals_no_spec(fixture_unified, family):
+    model = _model(fixture_unified, family)
     eager = _run(model, graphs=False)
     assert _run(model, graphs=True) == eager
     for k in (1, 3):
         assert _run(model, graphs=True, spec="mtp", k=k) == eager
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_and_penalized_requests_replay_like_eager(fixture_unified, k):
+    """Non-greedy batches take the forward-only graph with the sampler outside (and the commit graph)."""
+    model = _model(fixture_unified, "qwen35_dense")
+    spec = "mtp" if k else "none"
+    for params in (SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+                   SamplingParams(max_new_tokens=24, presence_penalty=0.5, ignore_eos=True)):
+        assert _run(model, graphs=True, spec=spec, k=k, params=params) == _run(model, graphs=False, spec=spec, k=k, params=params)

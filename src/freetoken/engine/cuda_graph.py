@@ -1,14 +1,18 @@
-"""CUDA graphs for the decode/verify forward: one graph per (batch size, rows per request).
+"""CUDA graphs for the decode/verify step: one graph per (batch size, rows per request, mode, greedy).
 
 A decode step is uniform (k+1 rows for every request), so its target forward and lm_head can be
-captured once and replayed with new inputs copied into static buffers: token ids, positions, KV
-slots, block tables, context lengths and state slots. The kernels read every per-step value from
-those buffers, so a replay computes exactly what the eager forward would (same kernels, same
-launch shapes). Capture needs the Triton path (no host syncs).
+captured once and replayed with new inputs. The per-step inputs (token ids, positions, KV slots,
+state slots, context lengths, block tables) live in one staging buffer: the host fills its pinned
+twin with numpy and one asynchronous copy moves it to the device, where the captured kernels read
+them. A replay computes exactly what the eager forward would (same kernels, same launch shapes).
+Capture needs the Triton path (no host syncs).
 
-A verify graph comes with a second graph for its commit: the GDN replay of the accepted rows reads
-the verify graph's static stash, and the per-sequence accepted row counts come from a static device
-buffer filled from the sampler's result on the device, so the commit needs no host round trip.
+Greedy batches (every request greedy, no penalties) capture the whole step: forward, lm_head, the
+greedy verify (argmax, accepted length, next token) and, for a verify, the commit of the accepted
+rows into the GDN state. The host then reads back one [2, B] tensor per step and does nothing else
+on the device. Other batches capture forward and lm_head; the sampler runs eagerly, and a verify
+comes with a second graph for its commit, whose accepted row counts come from a static device
+buffer filled from the sampler's result on the device (no host round trip).
 
 The eager warm-up before a capture runs the real step on the real pools; the GDN state of the
 batch's slots is saved before and restored after, so the step that follows sees untouched state.
@@ -18,28 +22,75 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
+from freetoken import sampling
+from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.linear_state_pool import LinearStatePool
+from freetoken.engine.runner import RowGroup, build_context
 from freetoken.forward_context import ForwardContext, ForwardMode
 from freetoken.kernels.batched import SeqBatch, seq_batch
 
 
+class _Staging:
+    """The per-step inputs of one graph: a pinned host buffer, its device twin, typed views of both."""
+
+    def __init__(self, num_seqs: int, rows_per_seq: int, max_blocks: int, device: torch.device):
+        n = num_seqs * rows_per_seq
+        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
+                  ("slots", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)), ("block_table", torch.int32, (num_seqs, max_blocks))]
+        offsets, size = [], 0
+        for _, dtype, shape in fields:
+            offsets.append(size)
+            size += -(-int(np.prod(shape)) * dtype.itemsize // 8) * 8  # 8-byte aligned
+        self.host = torch.zeros(size, dtype=torch.uint8).pin_memory()
+        self.device = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.on_host: dict[str, np.ndarray] = {}
+        self.on_device: dict[str, torch.Tensor] = {}
+        for (name, dtype, shape), start in zip(fields, offsets):
+            stop = start + int(np.prod(shape)) * dtype.itemsize
+            self.on_host[name] = self.host[start:stop].view(dtype).view(shape).numpy()
+            self.on_device[name] = self.device[start:stop].view(dtype).view(shape)
+        self.rows_per_seq = rows_per_seq
+
+    def load(self, groups: list[RowGroup], kv_pool: KVPool) -> None:
+        """Write the groups' per-step values to the host buffer and queue one copy to the device.
+
+        The host buffer is rewritten only after the engine has read back the step's result, which
+        the stream orders after this copy."""
+        h, r = self.on_host, self.rows_per_seq
+        for i, group in enumerate(groups):
+            rows, start = slice(i * r, (i + 1) * r), group.start
+            h["input_ids"][rows] = group.token_ids
+            h["positions"][rows] = range(start, start + r)
+            h["slot_mapping"][rows] = kv_pool.slots(group.block_table, start, start + r)
+            h["context_lens"][rows] = range(start + 1, start + r + 1)
+            h["slots"][i] = -1 if group.state_slot is None else group.state_slot
+            h["block_table"][i, : len(group.block_table)] = group.block_table
+        self.device.copy_(self.host, non_blocking=True)
+
+
 @dataclass
-class _Graph:
+class GraphStep:
+    """One captured step; its output tensors are rewritten by every replay."""
+
     graph: torch.cuda.CUDAGraph
-    ctx: ForwardContext  # the captured context: static input tensors and (VERIFY) the stash
+    staging: _Staging
+    ctx: ForwardContext  # the captured context: static input views and (VERIFY) the stash
     batch: SeqBatch  # the captured batch layout with its static device tensors
     hidden: torch.Tensor  # [N, H] static output
     logits: torch.Tensor  # [N, V] static output
-    commit_graph: torch.cuda.CUDAGraph | None = None  # VERIFY only: the replay of the accepted rows
-    accepted_rows: torch.Tensor | None = None  # [B] int32 static input of commit_graph
+    result: torch.Tensor | None = None  # greedy only: [2, B] int64 (accepted drafts, next token)
+    commit_graph: torch.cuda.CUDAGraph | None = None  # sampled VERIFY only: the replay of the accepted rows
+    accepted_rows: torch.Tensor | None = None  # [B] int32: rows each sequence commits (VERIFY)
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_blocks_per_seq: int):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, state_pool: LinearStatePool | None, max_blocks_per_seq: int):
+        self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
         self.max_blocks = max_blocks_per_seq
-        self.graphs: dict[tuple[int, int, ForwardMode], _Graph] = {}
+        self.graphs: dict[tuple[int, int, ForwardMode, bool], GraphStep] = {}
         self.pool = None
 
     @staticmethod
@@ -49,96 +100,90 @@ class DecodeGraphs:
         probe = torch.empty(1, device=device)
         return device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
 
-    def _static_batch(self, ctx: ForwardContext) -> SeqBatch:
-        """ctx's batch layout whose device tensors are fresh buffers of fixed shape (block table padded)."""
-        batch = SeqBatch.from_seqs(ctx.seqs, ctx.input_ids.device)
-        table = torch.zeros(len(ctx.seqs), self.max_blocks, dtype=torch.int32, device=ctx.input_ids.device)
-        for i, t in enumerate(batch.block_tables):
-            table[i, : t.shape[0]] = t
-        tensors = {name: getattr(batch, name).clone() for name in ("starts", "counts", "slots", "row_seq", "context_lens")}
-        batch.__dict__.update(tensors, block_table=table)
-        return batch
-
-    def _load(self, entry: _Graph, ctx: ForwardContext) -> SeqBatch:
-        """Copy ctx's per-step values into the captured buffers; return ctx's own layout for the commit."""
-        fresh = SeqBatch.from_seqs(ctx.seqs, ctx.input_ids.device)
-        entry.ctx.input_ids.copy_(ctx.input_ids)
-        entry.ctx.positions.copy_(ctx.positions)
-        entry.ctx.slot_mapping.copy_(ctx.slot_mapping)
-        for name in ("slots", "context_lens"):
-            entry.batch.__dict__[name].copy_(getattr(fresh, name))
-        entry.batch.__dict__["block_table"].zero_()
-        for i, t in enumerate(fresh.block_tables):
-            entry.batch.__dict__["block_table"][i, : t.shape[0]] = t
-        return fresh
-
-    def run(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
-        """The forward of ctx through a graph -> (hidden [N, H], logits [N, V], the context to commit with)."""
-        num_rows = ctx.seqs[0].num_rows
-        key = (len(ctx.seqs), num_rows, ctx.mode)
+    def run(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool) -> GraphStep:
+        """Replay the step of these uniform row groups (captured on first use); read its outputs from the result."""
+        key = (len(groups), len(groups[0].token_ids), mode, greedy)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(ctx)
-            self.graphs[key] = entry
-        fresh = self._load(entry, ctx)
+            entry = self.graphs[key] = self._capture(groups, mode, greedy)
+        entry.staging.load(groups, self.kv_pool)
         entry.graph.replay()
-        commit_ctx = replace(entry.ctx, seqs=ctx.seqs, stash=entry.ctx.stash)
-        commit_ctx.__dict__["_seq_batch"] = (ctx.seqs, fresh)
-        commit_ctx.__dict__["_graph"] = entry
-        return entry.hidden, entry.logits, commit_ctx
+        return entry
 
-    def commit(self, ctx: ForwardContext, accepted_rows: torch.Tensor) -> None:
-        """Replay the commit graph of the verify that produced ctx; accepted_rows [B] on the device."""
-        entry: _Graph = ctx.__dict__["_graph"]
+    def commit(self, entry: GraphStep, accepted_rows: torch.Tensor) -> None:
+        """Replay the commit graph of a sampled verify; accepted_rows [B] on the device."""
         entry.accepted_rows.copy_(accepted_rows)
         entry.commit_graph.replay()
 
-    def _capture(self, ctx: ForwardContext) -> _Graph:
-        static_ctx = replace(ctx, input_ids=ctx.input_ids.clone(), positions=ctx.positions.clone(), slot_mapping=ctx.slot_mapping.clone(), stash={})
-        batch = self._static_batch(ctx)
-        static_ctx.__dict__["_seq_batch"] = (static_ctx.seqs, batch)
-        state = ctx.linear_state
-        slots = batch.slots.long()
-        saved = (state.conv[:, slots].clone(), state.recurrent[:, slots].clone()) if state is not None else None
+    # -- capture -------------------------------------------------------------------------------------
+    def _capture(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool) -> GraphStep:
+        num_seqs, rows = len(groups), len(groups[0].token_ids)
+        device = self.kv_pool.cache.k[0].device if self.kv_pool.cache.k else torch.device("cuda")
+        staging = _Staging(num_seqs, rows, self.max_blocks, device)
+        staging.load(groups, self.kv_pool)
+        first = build_context(groups, mode, self.kv_pool, self.state_pool, device)
+        views = staging.on_device
+        ctx = replace(first, input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"], stash={})
+        batch = SeqBatch.from_seqs(first.seqs, device)
+        fixed = {name: getattr(batch, name).clone() for name in ("starts", "counts", "row_seq")}
+        batch.__dict__.update(fixed, slots=views["slots"], context_lens=views["context_lens"], block_table=views["block_table"])
+        ctx.__dict__["_seq_batch"] = (ctx.seqs, batch)
+        accepted_rows = batch.counts.clone() if mode is ForwardMode.VERIFY else None
+        replay = None
+        if accepted_rows is not None:
+            replay = batch.accepted(list(batch.num_rows))
+            replay.__dict__.update(starts=batch.starts, slots=batch.slots, counts=accepted_rows)
 
-        def restore() -> None:
-            if saved is not None:
-                state.conv[:, slots] = saved[0]
-                state.recurrent[:, slots] = saved[1]
+        def step():
+            hidden = self.model(ctx)
+            logits = self.model.compute_logits(hidden)
+            if not greedy:
+                return hidden, logits, None
+            verified = sampling.greedy_verify(logits.view(num_seqs, rows, -1), ctx.input_ids.view(num_seqs, rows)[:, 1:])
+            if replay is not None:
+                accepted_rows.copy_(verified.accepted_len + 1)
+                self.model.commit(ctx, replay)
+            return hidden, logits, torch.stack([verified.accepted_len, verified.next_token])
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compiles every kernel, then a second run settles the allocator
-                self.model.compute_logits(self.model(static_ctx))
-                restore()
-        torch.cuda.current_stream().wait_stream(stream)
+        restore = self._saver(batch)
+        self._warm_up(step, restore)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(static_ctx)
-            logits = self.model.compute_logits(hidden)
+            hidden, logits, result = step()
         self.pool = graph.pool()
         restore()
-        assert seq_batch(static_ctx) is batch
-        entry = _Graph(graph, static_ctx, batch, hidden, logits)
-        if ctx.mode is ForwardMode.VERIFY:
-            self._capture_commit(entry, restore)
+        assert seq_batch(ctx) is batch
+        entry = GraphStep(graph, staging, ctx, batch, hidden, logits, result, accepted_rows=accepted_rows)
+        if replay is not None and not greedy:
+            self._warm_up(lambda: self.model.commit(ctx, replay), restore)
+            entry.commit_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(entry.commit_graph, pool=self.pool):
+                self.model.commit(ctx, replay)
+            self.pool = entry.commit_graph.pool()
+            restore()
         return entry
 
-    def _capture_commit(self, entry: _Graph, restore) -> None:
-        """The commit of entry's verify as a graph over a replay batch whose row counts are a static buffer."""
-        batch = entry.batch
-        entry.accepted_rows = batch.counts.clone()
-        replay = batch.accepted(list(batch.num_rows))
-        replay.__dict__.update(starts=batch.starts, slots=batch.slots, counts=entry.accepted_rows)
+    def _saver(self, batch: SeqBatch):
+        """A function that puts the GDN state of the batch's slots back as it is now."""
+        state = self.state_pool.state if self.state_pool is not None else None
+        if state is None:
+            return lambda: None
+        slots = batch.slots.long().clone()
+        saved = (state.conv[:, slots].clone(), state.recurrent[:, slots].clone())
+
+        def restore() -> None:
+            state.conv[:, slots] = saved[0]
+            state.recurrent[:, slots] = saved[1]
+
+        return restore
+
+    @staticmethod
+    def _warm_up(fn, restore) -> None:
+        """Run fn twice on a side stream (compiles every kernel, then settles the allocator)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.model.commit(entry.ctx, replay)  # compiles the replay kernels
-            restore()
+            for _ in range(2):
+                fn()
+                restore()
         torch.cuda.current_stream().wait_stream(stream)
-        entry.commit_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.commit_graph, pool=self.pool):
-            self.model.commit(entry.ctx, replay)
-        self.pool = entry.commit_graph.pool()
-        restore()

@@ -60,7 +60,7 @@ class LLMEngine:
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin)
         self.graphs = None
         if config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device):
-            self.graphs = DecodeGraphs(model, max_blocks_per_seq=-(-(config.max_model_len + k + 1) // config.block_size))
+            self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, max_blocks_per_seq=-(-(config.max_model_len + k + 1) // config.block_size))
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
@@ -129,6 +129,39 @@ class LLMEngine:
             self.stats.prefill_tokens += chunk.length
         self.spec.observe(committed)
 
+    def _verify(self, requests: list[Request], groups: list[RowGroup], proposal) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Target forward over every request's k+1 rows, verify, commit -> (hidden [B*(k+1), H], accepted drafts, next tokens)."""
+        k = self.spec.num_draft_tokens
+        mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
+        greedy = all(r.params.is_greedy and not r.params.has_penalties for r in requests)
+        if self.graphs is not None:
+            step = self.graphs.run(groups, mode, greedy)
+            if greedy:  # verify and commit ran inside the graph
+                accepted, next_tokens = step.result.tolist()
+                return step.hidden, accepted, next_tokens
+            result = self._sample(step.logits, requests, proposal)
+            if k > 0:
+                self.graphs.commit(step, result.accepted_len + 1)  # on the device: no host round trip first
+            return step.hidden, result.accepted_len.tolist(), result.next_token.tolist()
+        ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
+        hidden = self.model(ctx)
+        result = self._sample(self.model.compute_logits(hidden), requests, proposal)
+        accepted = result.accepted_len.tolist()
+        if k > 0:
+            self.model.commit(ctx, [a + 1 for a in accepted])
+        return hidden, accepted, result.next_token.tolist()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], proposal) -> sampling.VerifyResult:
+        """Chain verification of the drafts against the target logits [B*(k+1), V]."""
+        return sampling.verify(
+            logits.view(len(requests), self.spec.num_draft_tokens + 1, -1),
+            proposal.tokens.to(self.device),
+            proposal.probs,
+            [r.params for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.generator for r in requests],
+        )
+
     def _finish_reason(self, request: Request, kept: list[int], done: bool) -> str:
         """"stop" for an EOS or stop token, "length" for max_new_tokens or the model length."""
         last = kept[-1] if kept else None
@@ -140,33 +173,13 @@ class LLMEngine:
         proposal = self.spec.propose(requests)
         drafts = proposal.tokens.tolist()
         groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id] + d) for r, d in zip(requests, drafts)]
-        mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
-        ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
-        if self.graphs is not None:
-            hidden, logits, ctx = self.graphs.run(ctx)
-        else:
-            hidden = self.model(ctx)
-            logits = self.model.compute_logits(hidden)
-        logits = logits.view(len(requests), k + 1, -1)
-        result = sampling.verify(
-            logits,
-            proposal.tokens.to(self.device),
-            proposal.probs,
-            [r.params for r in requests],
-            [r.output_token_ids for r in requests],
-            [r.generator for r in requests],
-        )
-        if k > 0 and self.graphs is not None:
-            self.graphs.commit(ctx, result.accepted_len + 1)  # on the device: no host round trip first
-        accepted = result.accepted_len.tolist()
-        next_tokens = result.next_token.tolist()
-        if k > 0 and self.graphs is None:
-            self.model.commit(ctx, [a + 1 for a in accepted])
+        hidden, accepted, next_tokens = self._verify(requests, groups, proposal)
+        row_slices = [slice(i * (k + 1), (i + 1) * (k + 1)) for i in range(len(requests))]
         self.stats.decode_steps += 1
 
         finished: list[Request] = []
         committed: list[CommittedRows] = []
-        for request, seq, draft, a, nxt in zip(requests, ctx.seqs, drafts, accepted, next_tokens):
+        for request, rows, draft, a, nxt in zip(requests, row_slices, drafts, accepted, next_tokens):
             start = request.num_cached_tokens
             emitted = draft[:a] + [nxt]
             kept, done = sampling.apply_stop(emitted, request.params, self.eos_ids, len(request.output_token_ids))
@@ -185,6 +198,6 @@ class LLMEngine:
                 finished.append(request)
             else:
                 self.kv_pool.trim(request.block_table, request.num_cached_tokens)
-                committed.append(CommittedRows(request, start, hidden[seq.rows][: a + 1], emitted))
+                committed.append(CommittedRows(request, start, hidden[rows][: a + 1], emitted))
         self.spec.observe(committed)
         return finished
