@@ -6,6 +6,10 @@ and the sum of kernel time, as JSON lines. The gap between that sum and the grap
 `freetoken bench` is launch overhead.
 
     python bench/profile_step.py --shape qwen3.5-9b [-k 3] [--steps 4]
+
+--host profiles the host side of graphed steps instead (cProfile, by cumulative time) and splits
+each step's wall time: before the replay is launched, the replay on the GPU (CUDA events around
+the staging copy and the graph), and after it.
 """
 
 from __future__ import annotations
@@ -47,16 +51,7 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     if args.host:
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.steps):
-            engine.step()
-        torch.cuda.synchronize()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        _host_profile(engine, args.steps, args.top)
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -72,6 +67,48 @@ def main() -> None:
     print(json.dumps({"shape": args.shape, "k": args.k, "kernels_per_step": sum(counts.values()) / args.steps, "kernel_us_per_step": round(total_us, 1)}))
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[: args.top]:
         print(json.dumps({"kernel": name[:90], "us_per_step": round(us / args.steps, 1), "calls_per_step": counts[name] / args.steps, "share": round(us / args.steps / total_us, 3)}))
+
+
+def _host_profile(engine, steps: int, top: int) -> None:
+    """cProfile of graphed steps, then each step split into host-before, GPU replay and host-after (ms)."""
+    import cProfile
+    import pstats
+    import time
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+
+    graphs, marks = engine.graphs, {}
+    run = graphs.run
+
+    def timed_run(*a, **kw):
+        marks["launch"] = time.perf_counter()
+        marks["start"].record()
+        out = run(*a, **kw)
+        marks["stop"].record()
+        marks["launched"] = time.perf_counter()
+        return out
+
+    graphs.run = timed_run
+    rows = []
+    for _ in range(steps):
+        marks.update(start=torch.cuda.Event(enable_timing=True), stop=torch.cuda.Event(enable_timing=True))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        rows.append({"step_ms": (t1 - t0) * 1e3, "host_before_launch_ms": (marks["launch"] - t0) * 1e3,
+                     "launch_call_ms": (marks["launched"] - marks["launch"]) * 1e3, "gpu_replay_ms": marks["start"].elapsed_time(marks["stop"])})
+    graphs.run = run
+    mean = {key: round(sum(r[key] for r in rows) / len(rows), 4) for key in rows[0]}
+    mean["host_after_ms"] = round(mean["step_ms"] - mean["host_before_launch_ms"] - mean["gpu_replay_ms"], 4)
+    print(json.dumps(mean))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def bench(
     dtype: DTypeOpt = DType.bfloat16,
     out: Annotated[Optional[Path], typer.Option("--out", help="JSON results file (default bench/results/<shape>-<spec>.json).")] = None,
     tensor_parallel: TensorParallelOpt = 1,
-    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay decode steps as CUDA graphs (dense CUDA models).")] = True,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay decode and verify steps as CUDA graphs (CUDA, Triton path).")] = True,
     mem_fraction: MemFractionOpt = 0.0,
 ) -> None:
     """Benchmark decode on a random-weight model of a real shape; reports the bandwidth floor."""
