@@ -1,10 +1,13 @@
-"""Sweep launch configurations of the row-invariant Triton linear over the Qwen3.5-9B decode shapes.
+"""Sweep launch configurations of the row-invariant Triton linear over the bench models' decode shapes.
 
 For each weight shape [N, K] and row count M, times `linear_triton.linear` (CUDA events via
 triton.testing.do_bench) and reports the achieved weight bandwidth (N*K*2 bytes per call) against
 the copy bandwidth. Prints one JSON object per line; used to choose `config_for`.
 
-    python bench/linear_speed.py [--quick]
+    python bench/linear_speed.py [--quick | --splits]
+
+--quick times the shipped configuration only; --splits times the shipped tile with every K split
+(at M = 1), the choice `config_for` makes from the weight shape.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ SHAPES = {  # name: (N, K) of the 9B shape, projections merged as the runtime me
     "mlp_down": (4096, 12288),
     "lm_head": (248320, 4096),
     "mtp_fc": (4096, 8192),
+    "35b: gdn_in": (8192 + 4096 + 64, 2048),
+    "35b: gdn_out": (2048, 4096),
+    "35b: attn_qkv": (8192 + 1024, 2048),
+    "35b: shared_gate_up": (1024, 2048),
+    "35b: shared_down": (2048, 512),
+    "35b: router": (257, 2048),
+    "35b: lm_head": (248320, 2048),
 }
 
 
@@ -39,6 +49,8 @@ def copy_bandwidth() -> float:
 def main() -> None:
     quick = "--quick" in sys.argv
     bw = copy_bandwidth()
+    if "--splits" in sys.argv:
+        return split_sweep(bw)
     print(json.dumps({"copy_bandwidth_bytes_per_s": bw, "gpu": torch.cuda.get_device_name()}), flush=True)
     configs = [None]  # the shipped config_for choice
     if not quick:
@@ -68,6 +80,22 @@ def main() -> None:
                 if best is None or ms < best["us"] / 1e3:
                     best = dict(row)
             print(json.dumps({"best": best}), flush=True)
+
+
+def split_sweep(bw: float) -> None:
+    """Every K split of the shipped tile at M = 1, per shape: one JSON line per (shape, split)."""
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        shipped = lt.config_for(n, k, torch.bfloat16)
+        k_blocks = triton.cdiv(k, shipped.block_k)
+        for split in sorted({1, 2, 3, 4, 6, 8, 12, 16, shipped.split}):
+            if split > k_blocks:
+                continue
+            cfg = lt.LinearConfig(shipped.block_n, shipped.block_k, split, shipped.num_warps, shipped.num_stages)
+            ms = triton.testing.do_bench(lambda: lt.linear(x, w, cfg), warmup=5, rep=30)
+            print(json.dumps({"shape": name, "n": n, "k": k, "split": split, "programs": triton.cdiv(n, cfg.block_n) * split, "shipped": split == shipped.split,
+                              "us": round(ms * 1e3, 2), "fraction_of_copy_bw": round(n * k * 2 / (ms * 1e-3) / bw, 3)}), flush=True)
 
 
 if __name__ == "__main__":
