@@ -2,14 +2,20 @@
 
 Checks: values for several token counts (1, tokens sharing experts, one expert with rows over several
 row blocks); each row's bits alone == inside a bigger or different batch; an expert-parallel slice
-(other ranks' experts contribute exactly zero, the slices add up to the whole); on CUDA, the op
-captured in a CUDA graph replays new routing exactly as eager (no host sync in the path).
+(other ranks' experts contribute exactly zero, the slices add up to the whole); the combine with the
+gated shared expert fused in == the fp32 partial finished by torch; SparseMoE's Triton path (router
+and shared gate merged or not) == its torch path, row by row invariant, launching only the Triton
+kernels of the block and no torch op that computes; on CUDA, the op and the whole block captured in
+a CUDA graph replay new inputs exactly as eager (no host sync in the path), and the block's kernel
+count seen by the profiler.
 On CPU the kernels run under TRITON_INTERPRET=1 at tiny shapes (H=64, E=8, top_k=2, I=32).
+Routing and align alone: test_moe_route_triton.py.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="triton is not installed")
 
@@ -17,6 +23,7 @@ from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
 
 import freetoken.kernels  # noqa: E402
 from freetoken.kernels import moe_ref, moe_triton  # noqa: E402
+from freetoken.layers.merge import merge_projections  # noqa: E402
 from freetoken.layers.moe import SparseMoE  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -121,19 +128,124 @@ def test_moe_expert_parallel_slices(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sparse_moe_triton_path_matches_torch_path(device, monkeypatch):
-    """fp32 only: in bf16 the two paths' router logits may round apart and pick other experts on a near tie."""
-    h, e, k, i = shape(device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_with_shared_expert_fused(device, dtype):
+    """The fused combine == the fp32 partial, then torch's acc.to(dtype) + sigmoid(g) * shared."""
+    gate_up, down = weights_for(device, dtype)
+    x, experts, w = routing(19, device, dtype, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    shared = (torch.randn(x.shape, generator=gen) / 2).to(dtype).to(device)
+    logits = torch.randn(19, 3, generator=gen).to(dtype).to(device)  # the gate is a strided column
+    got = moe_triton.moe_experts(x, experts, w, gate_up, down, 0, shared, logits[:, 1:2])
+    assert got.dtype == dtype and got.shape == x.shape
+    acc = moe_triton.moe_experts(x, experts, w, gate_up, down)
+    want = acc.to(dtype) + torch.sigmoid(logits[:, 1:2]) * shared
+    tol = 1e-6 if dtype == torch.float32 else TOL[dtype]  # sigmoid's last fp32 bits; bf16 roundings (truncations when interpreted)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    ref = moe_ref.moe_experts(x.cpu(), experts.cpu(), w.cpu(), gate_up.cpu(), down.cpu(), 0, shared.cpu(), logits[:, 1:2].cpu())
+    torch.testing.assert_close(got.cpu(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+    for i in (0, 18):
+        alone = moe_triton.moe_experts(x[i : i + 1], experts[i : i + 1], w[i : i + 1], gate_up, down, 0, shared[i : i + 1], logits[i : i + 1, 1:2])
+        first = moe_triton.moe_experts(*(torch.cat([t[i : i + 1], t]) for t in (x, experts, w)), gate_up, down, 0, torch.cat([shared[i : i + 1], shared]), torch.cat([logits[i : i + 1], logits])[:, 1:2])
+        assert torch.equal(alone, first[:1]), f"row {i} first in a batch differs"
+        if device == "cuda":  # NumPy's sgemm (the interpreter's tl.dot) rounds a tile's later rows differently
+            assert torch.equal(alone, got[i : i + 1]), f"row {i} alone differs"
+
+
+def moe_block(seed=11):
+    """A SparseMoE block at the test shape with random weights, on the CPU, fp32."""
+    h, e, k, i = shape("cpu")
     block = SparseMoE(h, e, k, i, shared_intermediate_size=i)
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(seed)
     for p in block.parameters():
         p.data = torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5
-    x = torch.randn(9, h, generator=gen)
+    return block
+
+
+def merged(block):
+    """The engine's merge: the block's [router | shared gate] and its shared expert's [gate | up]."""
+    block.merge_projections()
+    return merge_projections(block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("merge", [False, True])
+def test_sparse_moe_triton_path_matches_torch_path(device, merge, monkeypatch):
+    """fp32 only: in bf16 the two paths' router logits may round apart and pick other experts on a near tie."""
+    block = moe_block()
+    x = torch.randn(9, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(12))
     monkeypatch.setattr(freetoken.kernels, "MODE", "torch")
     want = block(x)
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
-    got = block.to(device)(x.to(device))
+    block, x = block.to(device), x.to(device)
+    if merge:
+        names = set(block.state_dict())
+        merged(block)
+        assert set(block.state_dict()) == names and block.gates_weight.shape == (9, x.shape[1])
+        assert block.gate.weight.data_ptr() == block.gates_weight.data_ptr()
+    got = block(x)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    for i in (0, 8):
+        alone = block(x[i : i + 1])
+        assert torch.equal(alone, block(torch.cat([x[i : i + 1], x]))[:1]), f"row {i} first in a batch differs"
+        if device == "cuda":  # NumPy's sgemm (the interpreter's tl.dot) rounds a tile's later rows differently
+            assert torch.equal(alone, got[i : i + 1]), f"row {i} alone differs"
+
+
+class _TorchOps(TorchDispatchMode):
+    """Records the torch ops run while active, except inside a Triton launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.inside = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def launches(fn, monkeypatch):
+    """(names of the Triton kernels launched, torch ops run outside them) by fn(), under the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run, kernels, mode = InterpretedFunction.run, [], _TorchOps()
+
+    def counted(kernel, *args, **kwargs):
+        kernels.append(kernel.fn.__name__)
+        mode.inside = True
+        try:
+            return run(kernel, *args, **kwargs)
+        finally:
+            mode.inside = False
+
+    with monkeypatch.context() as patch, mode:
+        patch.setattr(InterpretedFunction, "run", counted)
+        fn()
+    return kernels, mode.ops
+
+
+@pytest.mark.skipif(not INTERPRET, reason="counts launches under TRITON_INTERPRET=1")
+def test_sparse_moe_launches(monkeypatch):
+    """Merged, one forward on the Triton path is the merged gate linear, route, align, gate_up, down and
+    combine, plus the shared expert's own kernels; torch only allocates and takes views."""
+    monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
+    block = merged(moe_block())
+    x = torch.randn(5, block.gate.weight.shape[1])
+    shared, _ = launches(lambda: block.shared_expert(x), monkeypatch)
+    kernels, ops = launches(lambda: block(x), monkeypatch)
+    moe = ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"]
+    assert sorted(kernels) == sorted(["_linear_kernel", *moe, *shared]), kernels
+    computing = [op for op in ops if not op.is_view and op.overloadpacket is not torch.ops.aten.empty]
+    assert not computing, f"torch ops on the Triton path: {computing}"
+
+
+def cuda_block(dtype=torch.bfloat16):
+    h, e, k, i = shape("cuda")
+    block = SparseMoE(h, e, k, i, shared_intermediate_size=i)
+    for p in block.parameters():
+        p.data = torch.randn(p.shape) / p.shape[-1] ** 0.5
+    return merged(block.to("cuda", dtype))
 
 
 @pytest.mark.cuda
@@ -155,7 +267,8 @@ def test_moe_replays_in_a_cuda_graph():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
-def test_sparse_moe_forward_has_no_host_sync(monkeypatch):
+@pytest.mark.parametrize("merge", [False, True])
+def test_sparse_moe_forward_has_no_host_sync(merge, monkeypatch):
     h, e, k, i = shape("cuda")
     block = SparseMoE(h, e, k, i, shared_intermediate_size=i)
     for p in block.parameters():
@@ -165,6 +278,8 @@ def test_sparse_moe_forward_has_no_host_sync(monkeypatch):
     want = block(x)
     monkeypatch.setattr(freetoken.kernels, "MODE", "auto")
     block, x = block.to("cuda"), x.to("cuda")
+    if merge:
+        merged(block)
     block(x)  # compile first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync now raises
@@ -173,3 +288,43 @@ def test_sparse_moe_forward_has_no_host_sync(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
+def test_sparse_moe_replays_in_a_cuda_graph():
+    block = cuda_block()
+    x = torch.randn(8, shape("cuda")[0], device="cuda", dtype=torch.bfloat16)
+    block(x)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x)
+    for _ in range(2):
+        x2 = torch.randn_like(x)
+        x.copy_(x2)
+        graph.replay()
+        assert torch.equal(out, block(x2))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
+def test_sparse_moe_kernel_count():
+    """Merged, one forward is six kernels (merged gate linear, route, align, gate_up, down, combine) plus the shared expert's."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    block = cuda_block()
+    x = torch.randn(1, shape("cuda")[0], device="cuda", dtype=torch.bfloat16)
+    block(x)  # compile and allocate first
+    torch.cuda.synchronize()
+
+    def kernels_of(fn):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+    shared = kernels_of(lambda: block.shared_expert(x))
+    names = kernels_of(lambda: block(x))
+    assert len(names) == 6 + len(shared), names

@@ -1,4 +1,4 @@
-"""Routed experts of a sparse MoE block (reference: the CPU path and the oracle of moe_triton).
+"""Routing and routed experts of a sparse MoE block (reference: the CPU path and the oracle of moe_triton).
 
 Experts run one at a time over every token routed to them: one row-invariant linear per expert and
 projection. A token's weighted expert outputs are added in fp32 in ascending expert id, which for
@@ -15,6 +15,16 @@ import torch.nn.functional as F
 from freetoken.kernels import linear_ref
 
 
+def route(
+    logits: torch.Tensor,  # [N, E] router logits
+    top_k: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # experts [N, top_k] int64, weights [N, top_k] dtype
+    """Softmax in fp32, top_k, weights renormalised then cast to dtype."""
+    weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    return experts, (weights / weights.sum(dim=-1, keepdim=True)).to(dtype)
+
+
 def moe_experts(
     x: torch.Tensor,  # [N, H]
     experts: torch.Tensor,  # [N, top_k] global expert ids
@@ -22,7 +32,10 @@ def moe_experts(
     gate_up: torch.Tensor,  # [C, 2I, H] experts [first, first + C), gate rows first
     down: torch.Tensor,  # [C, H, I]
     first: int = 0,
-) -> torch.Tensor:  # [N, H] fp32: sum over the held experts of weight * expert(x)
+    shared: torch.Tensor | None = None,  # [N, H] shared expert output, x.dtype
+    shared_gate: torch.Tensor | None = None,  # [N, 1] shared expert gate logit, x.dtype
+) -> torch.Tensor:  # [N, H]: fp32 sum over the held experts of weight * expert(x); x.dtype block output with shared
+    """Routed experts; given `shared` and `shared_gate`, acc.to(x.dtype) + sigmoid(shared_gate) * shared."""
     count, two_i, _ = gate_up.shape
     inter = two_i // 2
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -34,4 +47,6 @@ def moe_experts(
         h = linear_ref.linear(x[tokens], gate_up[local])
         y = linear_ref.linear(F.silu(h[:, :inter]) * h[:, inter:], down[local])
         acc[tokens] = acc[tokens] + (y * weights[tokens, slot][:, None]).float()
-    return acc
+    if shared is None:
+        return acc
+    return acc.to(x.dtype) + torch.sigmoid(shared_gate) * shared

@@ -1,25 +1,33 @@
-"""Routed experts of a sparse MoE block as a grouped GEMM (Triton), with no host sync.
+"""A sparse MoE block's routing and routed experts in Triton, with no host sync.
 
-Nothing here reads device data on the host, so the whole op can be captured in a CUDA graph: every
-buffer and grid size follows from N (tokens), top_k and C (experts held by this rank).
+Nothing here reads device data on the host, so the whole block can be captured in a CUDA graph:
+every buffer and grid size follows from N (tokens), top_k, E (router experts) and C (experts held by
+this rank). One SparseMoE forward on this path is five launches here (route, align, gate_up, down,
+combine) besides the linears of the merged router | shared-gate projection and the shared expert.
 
-Layout of one call (T = N * top_k routed rows, flat row t = token * top_k + slot):
-  align     keys (local expert id, C for experts another rank holds) are counted per expert;
-            each expert's rows are padded to BLOCK_M and given consecutive row blocks.
-            `_align_kernel` (one program per expert) writes, in ascending t, the flat ids of the
-            expert's rows (`sorted_ids`, padding = T) and the expert of each block
-            (`block_expert`, C = surplus block). Blocks are bounded by min(C, T) + T // BLOCK_M + 1.
-  gate_up   `_gate_up_kernel`: per (row block, BLOCK_N features of I) the gate and up tiles of
-            that block's expert, then silu(gate) * up -> hidden [rows, I].
+Layout (T = N * top_k routed rows, flat row t = token * top_k + slot):
+  route     `_route_kernel`, one program per token: softmax of the router logits in fp32, top_k by
+            iterative max (ties to the lower expert id), weights renormalised in fp32 then rounded
+            to x.dtype -> experts [N, top_k] int32, weights [N, top_k].
+  align     `_align_kernel`, one program per held expert: counts every held expert's rows
+            (`tl.histogram` over the keys, BLOCK_T at a time), takes its first row block from the
+            prefix of ceil(count / BLOCK_M), then writes in ascending t the flat ids of its rows
+            (`sorted_ids`, padding to its last block = T) and the expert of its blocks
+            (`block_expert`); the surplus blocks up to min(C, T) + T // BLOCK_M + 1 get C (skipped).
+  gate_up   `_gate_up_kernel`: per (row block, feature tile of I) the gate and up tiles of that
+            block's expert, then silu(gate) * up -> hidden [rows, I].
   down      `_down_kernel`: hidden @ down[e]^T -> out [T, H], scattered back to flat rows.
   combine   `_combine_kernel`: per token, its held experts in ascending id, weight * out added in
-            fp32 (each product rounded to x.dtype first, as the reference does).
+            fp32 (each product rounded to x.dtype first, as the reference does). Given the shared
+            expert's output and gate logit it writes the block output in x.dtype,
+            acc.to(dtype) + (sigmoid(g).to(dtype) * shared).to(dtype); otherwise the fp32 partial
+            (expert parallel: the ranks' partials are added before the shared expert).
 
-Row invariance (DESIGN.md invariant 5): every tile walks K from 0 upwards in BLOCK_K steps with fp32
-accumulation and one configuration per dtype, the token count is not specialised on, and a row's
-values never mix with another row's, so a token gets the same bits whatever shares the launch.
-Decode reads only the selected experts' weights, once per row block (one block per expert for up to
-BLOCK_M rows), over enough programs (row blocks x feature tiles) to fill the GPU.
+Row invariance (DESIGN.md invariant 5): every GEMM tile walks K from 0 upwards in BLOCK_K steps with
+fp32 accumulation and one configuration per dtype, the token count is not specialised on, routing is
+per token, and a row's values never mix with another row's, so a token gets the same bits whatever
+shares the launch. Decode reads only the selected experts' weights, once per row block (one block
+per expert for up to BLOCK_M rows), over enough programs (row blocks x feature tiles) to fill the GPU.
 """
 
 from __future__ import annotations
@@ -30,29 +38,78 @@ import triton.language as tl
 
 from freetoken.kernels.compat_triton import INTERPRET
 
-BLOCK_M = 16  # rows per tile; each expert's rows are padded to a multiple of it
-BLOCK_N = 32  # output features per tile
-BLOCK_T = 128  # routed rows scanned per step by the align kernel
+BLOCK_M = 16  # routed rows per GEMM tile; each expert's rows are padded to a multiple of it
+# GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
+GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 32, 64, 4, 3
+DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 32, 64, 4, 3
+FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
+BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
 BLOCK_H = 128  # hidden features per combine program
 
 
-@triton.jit(do_not_specialize=["T"])
-def _align_kernel(key_ptr, block_start_ptr, sorted_ids_ptr, block_expert_ptr, T, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+@triton.jit
+def _route_kernel(
+    logits_ptr, experts_ptr, weights_ptr,
+    E, stride_lm,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token * stride_lm + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(cols < E, p, -1.0)  # padding never wins, even over probabilities that underflow to 0
+    slots = tl.arange(0, TOP_K_POW2)
+    ids = tl.zeros((TOP_K_POW2,), dtype=tl.int32)
+    w = tl.zeros((TOP_K_POW2,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        e = tl.min(tl.where(p == best, cols, BLOCK_E), 0)  # the lowest id among equals
+        ids = tl.where(slots == k, e, ids)
+        w = tl.where(slots == k, best, w)
+        p = tl.where(cols == e, -1.0, p)
+    w = w / tl.sum(w, 0)
+    out = token * TOP_K + slots
+    tl.store(experts_ptr + out, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + out, w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+
+
+@triton.jit(do_not_specialize=["T", "num_blocks"])
+def _align_kernel(
+    experts_ptr, sorted_ids_ptr, block_expert_ptr,
+    T, first, C, num_blocks,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+):
     e = tl.program_id(0)
-    first_block = tl.load(block_start_ptr + e)
-    end_block = tl.load(block_start_ptr + e + 1)
     offs = tl.arange(0, BLOCK_T)
-    seen = 0
+    counts = tl.zeros((BLOCK_C,), dtype=tl.int32)  # rows per held expert
     for t0 in range(0, T, BLOCK_T):
         t = t0 + offs
-        hit = (tl.load(key_ptr + t, mask=t < T, other=-1) == e).to(tl.int32)
-        pos = first_block * BLOCK_M + seen + tl.cumsum(hit, 0) - hit
-        tl.store(sorted_ids_ptr + pos, t, mask=hit != 0)
-        seen += tl.sum(hit, 0)
+        key = tl.load(experts_ptr + t, mask=t < T, other=-1).to(tl.int32) - first
+        counts += tl.histogram(key, BLOCK_C, mask=(t < T) & (key >= 0) & (key < C))
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    mine = tl.arange(0, BLOCK_C) == e
+    end_block = tl.sum(tl.where(mine, tl.cumsum(blocks, 0), 0), 0)
+    first_block = end_block - tl.sum(tl.where(mine, blocks, 0), 0)
+    count = tl.sum(tl.where(mine, counts, 0), 0)
+    base = first_block * BLOCK_M
+    if count > 0:
+        seen = 0
+        for t0 in range(0, T, BLOCK_T):  # this expert's rows in ascending t
+            t = t0 + offs
+            hit = (tl.load(experts_ptr + t, mask=t < T, other=-1).to(tl.int32) - first == e).to(tl.int32)
+            pos = base + seen + tl.cumsum(hit, 0) - hit
+            tl.store(sorted_ids_ptr + pos, t, mask=hit != 0)
+            seen += tl.sum(hit, 0)
+    pad = base + count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_ids_ptr + pad, T + tl.zeros_like(pad), mask=pad < end_block * BLOCK_M)
     for b0 in range(first_block, end_block, BLOCK_T):
         b = b0 + offs
         tl.store(block_expert_ptr + b, e + tl.zeros_like(b), mask=b < end_block)
+    for b0 in range(tl.sum(blocks, 0) + e * BLOCK_T, num_blocks, C * BLOCK_T):  # surplus blocks, shared out
+        b = b0 + offs
+        tl.store(block_expert_ptr + b, C + tl.zeros_like(b), mask=b < num_blocks)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -126,10 +183,10 @@ def _down_kernel(
 
 @triton.jit(do_not_specialize=["N"])
 def _combine_kernel(
-    out_ptr, experts_ptr, weights_ptr, acc_ptr,
+    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
     N, H, first, C,
-    stride_om, stride_am,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_om, stride_sm, stride_gm, stride_ym,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -149,7 +206,14 @@ def _combine_kernel(
         y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
         w = tl.load(weights_ptr + row, mask=held, other=0.0).to(tl.float32)
         acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
-    tl.store(acc_ptr + tokens[:, None] * stride_am + cols[None, :], acc, mask=live[:, None] & (cols[None, :] < H))
+    tokens = tokens.to(tl.int64)
+    mask = live[:, None] & (cols[None, :] < H)
+    if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
+        g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
+        gate = tl.sigmoid(g).to(dtype).to(tl.float32)
+        shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
+    tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def max_blocks(num_experts: int, rows: int) -> int:
@@ -157,18 +221,36 @@ def max_blocks(num_experts: int, rows: int) -> int:
     return min(num_experts, rows) + rows // BLOCK_M + 1
 
 
+def route(
+    logits: torch.Tensor,  # [N, E] router logits, unit column stride
+    top_k: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # experts [N, top_k] int32, weights [N, top_k] dtype
+    """Softmax in fp32, top_k (descending, ties to the lower id), weights renormalised then cast to dtype."""
+    n, num_experts = logits.shape
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    experts = torch.empty((n, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((n, top_k), dtype=dtype, device=logits.device)
+    if n:
+        _route_kernel[(n,)](
+            logits, experts, weights, num_experts, logits.stride(0),
+            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1,
+        )
+    return experts, weights
+
+
 def align(experts: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts [N, top_k] global ids -> sorted_ids [blocks * BLOCK_M] (flat rows, T = padding), block_expert [blocks]."""
+    """experts [N, top_k] global ids -> sorted_ids [blocks * BLOCK_M] (flat rows, T = padding), block_expert [blocks].
+
+    Only the rows of real blocks (block_expert < count) are written; the surplus blocks' rows are not read."""
     rows = experts.numel()
-    local = experts.reshape(-1) - first
-    key = torch.where((local >= 0) & (local < count), local, count)  # [T]; count = held by another rank
-    counts = torch.zeros(count + 1, dtype=torch.int64, device=experts.device).scatter_add_(0, key, torch.ones_like(key))
-    blocks = (counts[:count] + BLOCK_M - 1) // BLOCK_M
-    block_start = torch.cat([blocks.new_zeros(1), torch.cumsum(blocks, 0)]).to(torch.int32)  # [C + 1]
     nb = max_blocks(count, rows)
-    sorted_ids = torch.full((nb * BLOCK_M,), rows, dtype=torch.int32, device=experts.device)
-    block_expert = torch.full((nb,), count, dtype=torch.int32, device=experts.device)
-    _align_kernel[(count,)](key.to(torch.int32), block_start, sorted_ids, block_expert, rows, BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M)
+    sorted_ids = torch.empty((nb * BLOCK_M,), dtype=torch.int32, device=experts.device)
+    block_expert = torch.empty((nb,), dtype=torch.int32, device=experts.device)
+    _align_kernel[(count,)](
+        experts, sorted_ids, block_expert, rows, first, count, nb,
+        BLOCK_T=BLOCK_T, BLOCK_C=triton.next_power_of_2(count), BLOCK_M=BLOCK_M, num_warps=4,
+    )
     return sorted_ids, block_expert
 
 
@@ -179,40 +261,50 @@ def moe_experts(
     gate_up: torch.Tensor,  # [C, 2I, H] experts [first, first + C), gate rows first
     down: torch.Tensor,  # [C, H, I]
     first: int = 0,
-) -> torch.Tensor:  # [N, H] fp32: sum over the held experts of weight * expert(x)
+    shared: torch.Tensor | None = None,  # [N, H] shared expert output, x.dtype
+    shared_gate: torch.Tensor | None = None,  # [N, 1] shared expert gate logit, x.dtype
+) -> torch.Tensor:  # [N, H]: fp32 sum over the held experts of weight * expert(x); x.dtype block output with shared
+    """Routed experts; given `shared` and `shared_gate`, acc.to(x.dtype) + sigmoid(shared_gate) * shared."""
     assert x.dtype == gate_up.dtype == down.dtype, f"moe_experts: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
     n, hidden = x.shape
     top_k = experts.shape[1]
     count, two_i, _ = gate_up.shape
     inter = two_i // 2
-    acc = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
+    with_shared = shared is not None
+    y = torch.empty((n, hidden), dtype=x.dtype if with_shared else torch.float32, device=x.device)
     if n == 0:
-        return acc
+        return y
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
     experts, weights = experts.contiguous(), weights.contiguous()
     rows = n * top_k
     sorted_ids, block_expert = align(experts, first, count)
     nb = block_expert.shape[0]
-    block_k = 32 if x.dtype == torch.float32 else 64
+    fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(nb, triton.cdiv(inter, BLOCK_N))](
+    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, DOT_F32=INTERPRET, num_warps=4,
+        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
+        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES,
     )
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    _down_kernel[(nb, triton.cdiv(hidden, BLOCK_N))](
+    _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, DOT_F32=INTERPRET, num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
+        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES,
     )
+    if with_shared:
+        shared = shared if shared.stride(1) == 1 else shared.contiguous()
+    else:
+        shared, shared_gate = y, y  # unused
     _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
-        out, experts, weights, acc,
+        out, experts, weights, shared, shared_gate, y,
         n, hidden, first, count,
-        out.stride(0), acc.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, num_warps=4,
+        out.stride(0), shared.stride(0), shared_gate.stride(0), y.stride(0),
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4,
     )
-    return acc
+    return y

@@ -1,10 +1,11 @@
 """Merge the projections that read the same input into one weight, so one launch streams them all.
 
-A decode step is a long chain of small launches; reading [q | k | v] (or [gate | up], or the four
-GDN input projections) as one [sum N, K] weight halves the launches and gives the linear kernel a
-wide N to spread over the GPU. The merged weight is one new tensor; each original parameter becomes
-a view of its rows, so names, shapes and state_dict are unchanged. Row invariance is kept: the
-merged linear's configuration is still a function of its weight shape alone.
+A decode step is a long chain of small launches; reading [q | k | v] (or [gate | up], the four GDN
+input projections, or a MoE block's router and shared-expert gate) as one [sum N, K] weight halves
+the launches and gives the linear kernel a wide N to spread over the GPU. The merged weight is one
+new tensor; each original parameter becomes a view of its rows, so names, shapes and state_dict are
+unchanged. Row invariance is kept: the merged linear's configuration is still a function of its
+weight shape alone.
 
 Modules opt in with `merge_projections()`; `merge_projections(model)` runs them all, once.
 """

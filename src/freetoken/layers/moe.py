@@ -1,9 +1,11 @@
 """Sparse MoE block: softmax router, top-k renormalised, fused experts, sigmoid-gated shared expert.
 
-The routed experts are one op, `kernels.moe_experts`: a grouped GEMM in Triton on CUDA (no host
-sync, so the block can be captured in a CUDA graph) and an expert-at-a-time loop on CPU. Either way
-a token's weighted expert outputs are added in fp32 in ascending expert id, so its result does not
-depend on which other tokens share the step.
+Routing (`kernels.moe_route`) and the routed experts (`kernels.moe_experts`) are Triton kernels on
+CUDA (no host sync, so the block can be captured in a CUDA graph) and torch on CPU, where the experts
+run one at a time. Either way a token's weighted expert outputs are added in fp32 in ascending
+expert id, so its result does not depend on which other tokens share the step. On the Triton path
+the router and the shared-expert gate are read as one [E + 1, H] weight once merged (layers/merge.py),
+and the experts' combine kernel also adds the gated shared expert (without expert parallelism).
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
@@ -46,12 +48,26 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, 1)
         self.top_k = top_k
         self.parallel = parallel
+        self.gates_weight: torch.Tensor | None = None  # [E + 1, H] = [router | shared gate] once merged
+
+    def merge_projections(self) -> None:
+        """Read the router and the shared-expert gate as one weight (on the Triton path)."""
+        if self.gates_weight is None:
+            from freetoken.layers.merge import merge_linears
+
+            self.gates_weight = merge_linears([self.gate, self.shared_expert_gate])
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, H] -> router [N, E], shared gate [N, 1]
+        if self.gates_weight is not None and kernels.use_triton(x):
+            logits = kernels.linear(x, self.gates_weight)  # [N, E + 1]
+            return logits[:, :-1], logits[:, -1:]
+        return self.gate(x), self.shared_expert_gate(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
-        router_probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        weights, experts = torch.topk(router_probs, self.top_k, dim=-1)  # [N, top_k]
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
-        acc = kernels.moe_experts(x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)  # [N, H] fp32
-        acc = self.parallel.all_reduce(acc)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return acc.to(x.dtype) + shared
+        router, shared_gate = self._gates(x)
+        experts, weights = kernels.moe_route(router, self.top_k, x.dtype)  # [N, top_k]
+        routed = (x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)
+        if self.parallel.is_parallel:
+            acc = self.parallel.all_reduce(kernels.moe_experts(*routed))  # [N, H] fp32
+            return acc.to(x.dtype) + torch.sigmoid(shared_gate) * self.shared_expert(x)
+        return kernels.moe_experts(*routed, self.shared_expert(x), shared_gate)

@@ -1,0 +1,97 @@
+"""Triton MoE routing and align vs their torch references.
+
+Route: experts exactly equal to the torch path's (softmax fp32, torch.topk), weights within rounding,
+on logits without near-ties (each row a shuffle of well-spaced values), a column-strided view (the
+router columns of the merged [E + 1] projection) and an expert count that is not a power of two;
+equal logits go to the lower expert ids; a row's bits alone == inside a batch.
+Align: sorted row ids and block experts equal to an expert-by-expert grouping, for one token, many tokens
+on few experts, more rows than one scan step, and expert-parallel slices (down to a rank that holds
+none of the routed experts, whose surplus blocks are spread over several programs).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tests.kernels.conftest import DEVICES  # noqa: E402
+
+from freetoken.kernels import moe_ref, moe_triton  # noqa: E402
+
+TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3}  # weights: fp32 sum order; one bf16 ulp
+
+
+def spaced_logits(n, num_experts, dtype, device, seed, columns=None):
+    """[n, num_experts] logits, each row a shuffle of values 0.05 apart (no near-ties, even in bf16);
+    a view of the first num_experts of `columns` columns when given."""
+    gen = torch.Generator().manual_seed(seed)
+    values = (torch.arange(num_experts) - num_experts / 2) * 0.05
+    rows = torch.stack([values[torch.randperm(num_experts, generator=gen)] for _ in range(n)])
+    if columns is not None:
+        rows = torch.cat([rows, torch.randn(n, columns - num_experts, generator=gen)], dim=1)
+    return rows.to(dtype).to(device)[:, :num_experts]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_matches_reference(device, dtype):
+    cases = [(1, 8, 2, None), (9, 8, 2, 9), (5, 12, 3, None)] if device == "cpu" else [(1, 256, 8, None), (37, 256, 8, 257)]
+    for seed, (n, num_experts, top_k, columns) in enumerate(cases):
+        logits = spaced_logits(n, num_experts, dtype, device, seed, columns)
+        experts, weights = moe_triton.route(logits, top_k, dtype)
+        assert experts.shape == weights.shape == (n, top_k) and weights.dtype == dtype
+        want_experts, want_weights = moe_ref.route(logits.cpu(), top_k, dtype)
+        assert torch.equal(experts.cpu().long(), want_experts), f"{n} x {num_experts}: experts differ"
+        torch.testing.assert_close(weights.cpu(), want_weights, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_ties_go_to_lower_ids(device):
+    experts, weights = moe_triton.route(torch.zeros(3, 8, device=device), 3, torch.float32)
+    assert torch.equal(experts.cpu(), torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32))
+    assert torch.equal(weights.cpu(), torch.full((3, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_rows_are_invariant_to_batch(device):
+    num_experts, top_k = (8, 2) if device == "cpu" else (256, 8)
+    logits = torch.randn(13, num_experts, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
+    experts, weights = moe_triton.route(logits, top_k, torch.bfloat16)
+    for i in (0, 6, 12):
+        alone = moe_triton.route(logits[i : i + 1], top_k, torch.bfloat16)
+        assert torch.equal(alone[0], experts[i : i + 1]) and torch.equal(alone[1], weights[i : i + 1])
+
+
+def align_reference(experts, first, count, num_blocks):
+    """(sorted_ids of the real blocks, block_expert [num_blocks]) by grouping expert by expert."""
+    flat = experts.reshape(-1).long() - first
+    rows = flat.numel()
+    sorted_ids, block_expert = [], []
+    for e in range(count):
+        mine = (flat == e).nonzero().flatten().tolist()  # ascending
+        blocks = -(-len(mine) // moe_triton.BLOCK_M)
+        sorted_ids += mine + [rows] * (blocks * moe_triton.BLOCK_M - len(mine))
+        block_expert += [e] * blocks
+    block_expert += [count] * (num_blocks - len(block_expert))
+    return torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(block_expert, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_align_matches_grouping(device):
+    num_experts, top_k = (8, 2) if device == "cpu" else (256, 8)
+    gen = torch.Generator().manual_seed(2)
+    many = moe_triton.BLOCK_T // top_k + 37  # more rows than one scan step
+    cases = [
+        (torch.randperm(num_experts, generator=gen)[:top_k][None], 0, num_experts),
+        (torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(19)]), 0, num_experts),
+        (torch.arange(top_k).repeat(40, 1), 0, num_experts),  # every token on the same experts: several blocks each
+        (torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(many)]), 0, num_experts),
+        (torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(many)]), num_experts // 2, num_experts // 2),
+        (torch.arange(top_k).repeat(8200, 1), num_experts // 2, num_experts // 2),  # held by no row; > BLOCK_T surplus blocks
+    ]
+    for experts, first, count in cases:
+        sorted_ids, block_expert = moe_triton.align(experts.to(torch.int32).to(device), first, count)
+        want_ids, want_blocks = align_reference(experts, first, count, block_expert.shape[0])
+        assert block_expert.shape[0] == moe_triton.max_blocks(count, experts.numel())
+        assert torch.equal(block_expert.cpu(), want_blocks), f"{experts.shape}, first {first}: block experts differ"
+        assert torch.equal(sorted_ids[: want_ids.shape[0]].cpu(), want_ids), f"{experts.shape}, first {first}: row ids differ"
