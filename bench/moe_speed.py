@@ -1,0 +1,69 @@
+"""Sweep the tile sizes of the Triton MoE expert GEMMs at the Qwen3.5-35B-A3B decode shape.
+
+Times `moe_triton.moe_experts` (align, gate_up, down, combine) for a few token counts with random
+distinct experts per token, and reports the achieved bandwidth of the selected experts' weights
+(each selected expert read once) against the copy bandwidth. First the gate_up tiles are swept
+with the shipped down tiles, then the down tiles with the best gate_up tiles. One JSON line each.
+
+    python bench/moe_speed.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+import triton
+
+from freetoken.kernels import moe_triton as mt
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50) * 1e-3)
+
+
+def time_tokens(n: int, gate_up: torch.Tensor, down: torch.Tensor, bw: float) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    experts = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(n)])
+    weights = torch.full((n, TOP_K), 1.0 / TOP_K, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: mt.moe_experts(x, experts, weights, gate_up, down), warmup=5, rep=30)
+    active = experts.unique().numel()
+    weight_bytes = active * 3 * HIDDEN * INTER * 2
+    return {"tokens": n, "us": round(ms * 1e3, 2), "active_experts": active, "fraction_of_copy_bw": round(weight_bytes / (ms * 1e-3) / bw, 3)}
+
+
+def main() -> None:
+    bw = copy_bandwidth()
+    print(json.dumps({"copy_bandwidth_bytes_per_s": bw, "gpu": torch.cuda.get_device_name()}), flush=True)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
+    down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * INTER**-0.5
+    shipped = {"gate_up": (mt.GATE_UP_BLOCK_N, mt.GATE_UP_BLOCK_K, mt.GATE_UP_WARPS, mt.GATE_UP_STAGES),
+               "down": (mt.DOWN_BLOCK_N, mt.DOWN_BLOCK_K, mt.DOWN_WARPS, mt.DOWN_STAGES)}
+    grid = list(itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4)))
+    for which in ("gate_up", "down"):
+        best = None
+        for cfg in grid:
+            prefix = "GATE_UP" if which == "gate_up" else "DOWN"
+            for name, value in zip(("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), cfg):
+                setattr(mt, f"{prefix}_{name}", value)
+            try:
+                rows = [time_tokens(n, gate_up, down, bw) for n in (1, 4, 64)]
+            except Exception as e:  # a tile that does not fit in shared memory
+                print(json.dumps({which: cfg, "error": str(e)[:100]}), flush=True)
+                continue
+            print(json.dumps({which: cfg, "shipped": cfg == shipped[which], "runs": rows}), flush=True)
+            if best is None or rows[0]["us"] < best[1][0]["us"]:
+                best = (cfg, rows)
+        for name, value in zip(("BLOCK_N", "BLOCK_K", "WARPS", "STAGES"), best[0]):
+            setattr(mt, f"{'GATE_UP' if which == 'gate_up' else 'DOWN'}_{name}", value)
+        print(json.dumps({"best_" + which: best[0], "runs": best[1]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
