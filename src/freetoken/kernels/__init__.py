@@ -95,15 +95,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return norm_ref.silu_mul(gate_up)
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu_mul(gate_up), weight): gate_up [N, 2I], weight [H, I] -> [N, H]; one kernel on the Triton path."""
-    if use_triton(gate_up):
-        from freetoken.kernels import linear_triton
-
-        return linear_triton.silu_mul_linear(gate_up, weight)
-    return linear(norm_ref.silu_mul(gate_up), weight)
-
-
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu") -> torch.Tensor:
     """w * norm(x) * act(gate); x, gate [..., D], weight [D]."""
     if use_triton(x):
@@ -175,37 +166,21 @@ def gdn_chunked_prefill(state, q, k, v, g, beta, batch: SeqBatch, out=None):
     return gdn_chunk_ref.gdn_chunked_batched(state, q, k, v, g, beta, batch, out)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E] -> experts [N, top_k] and their renormalised softmax weights [N, top_k] in
-    dtype (default logits.dtype); softmax and renormalisation in fp32."""
-    dtype = dtype or logits.dtype
-    if use_triton(logits):
-        from freetoken.kernels import moe_triton
-
-        return moe_triton.route(logits, top_k, dtype)
-    from freetoken.kernels import moe_ref
-
-    return moe_ref.route(logits, top_k, dtype)
-
-
-def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H];
-    given the shared expert's output [N, H] and gate logit [N, 1], the block output
-    acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype."""
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H]."""
     if use_triton(x):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
+        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first)
     from freetoken.kernels import moe_ref
 
-    return moe_ref.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
+    return moe_ref.moe_experts(x, experts, weights, gate_up, down, first)
 
 
 __all__ = [
     "SeqBatch",
     "add_zc_rms_norm",
     "silu_mul",
-    "silu_mul_linear",
     "apply_rope",
     "causal_conv1d_batched",
     "gated_rms_norm",
@@ -214,7 +189,6 @@ __all__ = [
     "gdn_recurrent_batched",
     "linear",
     "moe_experts",
-    "moe_route",
     "norm_rope_store",
     "paged_attention_batched",
     "rms_norm",

@@ -12,9 +12,6 @@ per-tile counter; the program that arrives last adds the SPLIT partials in slice
 launch. The M tiles of one (feature, slice) block are adjacent in the launch order, so at batch
 sizes above BLOCK_M the weight tile is re-read from L2, not HBM.
 
-`silu_mul_linear` is the MLP's down projection with the activation fused into the x loads: the
-input [M, 2K] = [gate | up] becomes silu(gate) * up tile by tile.
-
 Calls with more than MAX_ROWS_PER_LAUNCH rows are cut into launches of that many rows (same
 kernel, same configuration: the cut changes no bits), which bounds the workspace.
 """
@@ -48,7 +45,7 @@ def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -65,14 +62,7 @@ def _linear_kernel(
         kk = k0 + ks
         k_ok = kk < k_end
         w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x_ptrs = x_ptr + rows[None, :] * stride_xm + kk[:, None]
-        x_mask = row_ok[None, :] & k_ok[:, None]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATED:  # x holds [gate | up]: the input is silu(gate) * up, rounded as kernels.silu_mul rounds it
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
-            gate = x.to(tl.float32)
-            act = (gate * tl.sigmoid(gate)).to(up.dtype)
-            x = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+        x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
         if DOT_F32:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, x, acc, input_precision="ieee")
@@ -132,22 +122,9 @@ def _launch_workspace(device: torch.device, m: int, n: int, cfg: LinearConfig):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation."""
-    return _linear(x, weight, cfg, gated=False)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T for gate_up [M, 2K] = [gate | up], weight [N, K] -> [M, N].
-
-    Bit for bit `linear(silu_mul(gate_up), weight)`: the activation is formed, with the same
-    roundings, as the weight tiles stream in, so the [M, K] product is never written."""
-    return _linear(gate_up, weight, cfg, gated=True)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None, gated: bool) -> torch.Tensor:
     assert x.dtype == weight.dtype, f"linear: x is {x.dtype}, weight is {weight.dtype}"
-    m = x.shape[0]
-    n, k = weight.shape
-    assert x.shape[1] == (2 * k if gated else k), f"linear: x {tuple(x.shape)} against weight {tuple(weight.shape)}"
+    m, k = x.shape
+    n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -162,7 +139,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None, gat
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET, GATED=gated,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y

@@ -80,6 +80,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         if self.gate_up_weight is not None:
-            gate_up = kernels.linear(x, self.gate_up_weight)  # [N, 2I/W]
-            return self.down_proj.parallel.all_reduce(kernels.silu_mul_linear(gate_up, self.down_proj.weight))
+            return self.down_proj(kernels.silu_mul(kernels.linear(x, self.gate_up_weight)))
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
