@@ -166,15 +166,30 @@ def gdn_chunked_prefill(state, q, k, v, g, beta, batch: SeqBatch, out=None):
     return gdn_chunk_ref.gdn_chunked_batched(state, q, k, v, g, beta, batch, out)
 
 
-def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0) -> torch.Tensor:
-    """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H]."""
+def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> experts [N, top_k] and their renormalised softmax weights [N, top_k] in
+    dtype (default logits.dtype); softmax and renormalisation in fp32."""
+    dtype = dtype or logits.dtype
+    if use_triton(logits):
+        from freetoken.kernels import moe_triton
+
+        return moe_triton.route(logits, top_k, dtype)
+    from freetoken.kernels import moe_ref
+
+    return moe_ref.route(logits, top_k, dtype)
+
+
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H];
+    given the shared expert's output [N, H] and gate logit [N, 1], the block output
+    acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype."""
     if use_triton(x):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first)
+        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
     from freetoken.kernels import moe_ref
 
-    return moe_ref.moe_experts(x, experts, weights, gate_up, down, first)
+    return moe_ref.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
 
 
 __all__ = [
@@ -189,6 +204,7 @@ __all__ = [
     "gdn_recurrent_batched",
     "linear",
     "moe_experts",
+    "moe_route",
     "norm_rope_store",
     "paged_attention_batched",
     "rms_norm",
