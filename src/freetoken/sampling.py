@@ -74,6 +74,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy without penalties: the token is the argmax of the raw logits."""
+        return self.is_greedy and not self.has_penalties
+
 
 def _mix_seed(global_seed: int, request_index: int) -> int:
     """splitmix64 of (global_seed, request_index): unrelated streams for neighbouring requests."""
@@ -295,6 +300,8 @@ def verify(
     dev = target_logits.device
     assert draft_tokens.shape == (B, k) and len(params) == len(histories) == len(generators) == B
     drafts = draft_tokens.to(device=dev, dtype=torch.int64)
+    if all(sp.is_plain_greedy for sp in params):
+        return greedy_verify(target_logits, drafts)
     row_params = [sp for sp in params for _ in range(k1)]
     row_histories = [histories[b] if params[b].has_penalties else () for b in range(B) for _ in range(k1)]
     # row (b, i) also sees drafts[b, :i]; they are gathered on the device, without a host copy
@@ -303,14 +310,11 @@ def verify(
     if pairs:
         at = _host_tensor([f for _, f in pairs], torch.int64, dev)
         extra = (drafts.reshape(-1).index_select(0, at), [r for r, _ in pairs])
-    if all(sp.is_greedy and not sp.has_penalties for sp in params):
-        return greedy_verify(target_logits, drafts)
     x = process_logits(target_logits.reshape(B * k1, V), row_params, row_histories, extra)  # [B*(k+1), V]
     argmax = _argmax(x).view(B, k1)  # [B, k+1]
     rows = torch.arange(B, device=dev)
     if all(sp.is_greedy for sp in params):
-        accepted_len = (drafts == argmax[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [B]
-        return VerifyResult(accepted_len=accepted_len, next_token=argmax[rows, accepted_len])
+        return _greedy_accept(argmax, drafts)
     x = x.view(B, k1, V)
     greedy = _host_tensor([sp.is_greedy for sp in params], torch.bool, dev)  # [B]
     p = torch.softmax(x, dim=-1)  # [B, k+1, V] target distributions
@@ -349,8 +353,12 @@ def greedy_verify(target_logits: Tensor, drafts: Tensor) -> VerifyResult:
     copy); drafts: [B, k] int64 on the same device.
     """
     B, k1, V = target_logits.shape
-    argmax = _argmax(target_logits.reshape(B * k1, V)).view(B, k1)  # [B, k+1]
-    accepted_len = (drafts == argmax[:, : k1 - 1]).long().cumprod(dim=1).sum(dim=1)  # [B]
+    return _greedy_accept(_argmax(target_logits.reshape(B * k1, V)).view(B, k1), drafts)
+
+
+def _greedy_accept(argmax: Tensor, drafts: Tensor) -> VerifyResult:
+    """argmax [B, k+1], drafts [B, k]: accept while the draft is the argmax, then emit the argmax."""
+    accepted_len = (drafts == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B]
     next_token = argmax.gather(1, accepted_len[:, None]).squeeze(1)  # [B]
     return VerifyResult(accepted_len=accepted_len, next_token=next_token)
 

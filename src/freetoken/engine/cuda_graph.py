@@ -40,18 +40,15 @@ class _Staging:
         n = num_seqs * rows_per_seq
         fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
                   ("slots", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)), ("block_table", torch.int32, (num_seqs, max_blocks))]
-        offsets, size = [], 0
-        for _, dtype, shape in fields:
-            offsets.append(size)
-            size += -(-int(np.prod(shape)) * dtype.itemsize // 8) * 8  # 8-byte aligned
-        self.host = torch.zeros(size, dtype=torch.uint8).pin_memory()
-        self.device = torch.zeros(size, dtype=torch.uint8, device=device)
+        nbytes = [int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in fields]
+        starts = [sum(-(-b // 8) * 8 for b in nbytes[:i]) for i in range(len(fields) + 1)]  # 8-byte aligned
+        self.host = torch.zeros(starts[-1], dtype=torch.uint8).pin_memory()
+        self.device = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
         self.on_host: dict[str, np.ndarray] = {}
         self.on_device: dict[str, torch.Tensor] = {}
-        for (name, dtype, shape), start in zip(fields, offsets):
-            stop = start + int(np.prod(shape)) * dtype.itemsize
-            self.on_host[name] = self.host[start:stop].view(dtype).view(shape).numpy()
-            self.on_device[name] = self.device[start:stop].view(dtype).view(shape)
+        for (name, dtype, shape), start, size in zip(fields, starts, nbytes):
+            self.on_host[name] = self.host[start : start + size].view(dtype).view(shape).numpy()
+            self.on_device[name] = self.device[start : start + size].view(dtype).view(shape)
         self.rows_per_seq = rows_per_seq
 
     def load(self, groups: list[RowGroup], kv_pool: KVPool) -> None:
@@ -77,8 +74,8 @@ class GraphStep:
 
     graph: torch.cuda.CUDAGraph
     staging: _Staging
-    ctx: ForwardContext  # the captured context: static input views and (VERIFY) the stash
-    batch: SeqBatch  # the captured batch layout with its static device tensors
+    ctx: ForwardContext  # the captured context, kept alive with the graph: its input views and (VERIFY) the stash
+    batch: SeqBatch  # the captured batch layout, kept alive with the graph: the device tensors its kernels read
     hidden: torch.Tensor  # [N, H] static output
     logits: torch.Tensor  # [N, V] static output
     result: torch.Tensor | None = None  # greedy only: [2, B] int64 (accepted drafts, next token)
@@ -87,8 +84,8 @@ class GraphStep:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, state_pool: LinearStatePool | None, max_blocks_per_seq: int):
-        self.model, self.kv_pool, self.state_pool = model, kv_pool, state_pool
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, state_pool: LinearStatePool | None, device: torch.device, max_blocks_per_seq: int):
+        self.model, self.kv_pool, self.state_pool, self.device = model, kv_pool, state_pool, device
         self.max_blocks = max_blocks_per_seq
         self.graphs: dict[tuple[int, int, ForwardMode, bool], GraphStep] = {}
         self.pool = None
@@ -118,7 +115,7 @@ class DecodeGraphs:
     # -- capture -------------------------------------------------------------------------------------
     def _capture(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool) -> GraphStep:
         num_seqs, rows = len(groups), len(groups[0].token_ids)
-        device = self.kv_pool.cache.k[0].device if self.kv_pool.cache.k else torch.device("cuda")
+        device = self.device
         staging = _Staging(num_seqs, rows, self.max_blocks, device)
         staging.load(groups, self.kv_pool)
         first = build_context(groups, mode, self.kv_pool, self.state_pool, device)

@@ -60,7 +60,7 @@ class LLMEngine:
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin)
         self.graphs = None
         if config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device):
-            self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, max_blocks_per_seq=-(-(config.max_model_len + k + 1) // config.block_size))
+            self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq=-(-(config.max_model_len + k + 1) // config.block_size))
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
@@ -133,7 +133,7 @@ class LLMEngine:
         """Target forward over every request's k+1 rows, verify, commit -> (hidden [B*(k+1), H], accepted drafts, next tokens)."""
         k = self.spec.num_draft_tokens
         mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
-        greedy = all(r.params.is_greedy and not r.params.has_penalties for r in requests)
+        greedy = all(r.params.is_plain_greedy for r in requests)
         if self.graphs is not None:
             step = self.graphs.run(groups, mode, greedy)
             if greedy:  # verify and commit ran inside the graph
