@@ -5,6 +5,10 @@ position t; this writes the MTP KV and leaves, per request, the MTP output of it
 logits give draft 1. propose: drafts 2..k chain the layer on its own output, one row per request
 at the next position. The MTP KV rows written by the chain are speculative; the next observe
 rewrites them with the accepted tokens.
+
+With cuda_graphs on (and CUDA with the Triton path), a batch of greedy requests without penalties
+drafts through a CUDA graph of the whole loop (draft_graph.py), with the same result; any other
+batch runs the loop eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from freetoken.engine.runner import RowGroup, build_context
 from freetoken.engine.spec_protocol import CommittedRows, Proposal
 from freetoken.errors import FreetokenError
 from freetoken.forward_context import ForwardMode
+from freetoken.spec.mtp.draft_graph import DraftGraphs
 
 
 @dataclass
@@ -29,7 +34,10 @@ class MTPDraftState:
 
 
 class MTPMethod:
-    def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None):
+    def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
+                 cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
+        """cuda_graphs: draft greedy batches through CUDA graphs where supported; max_blocks_per_seq: the
+        graphs' padded block-table width (None: the whole pool), wider tables draft eagerly."""
         network = model.draft_network("mtp")
         if network is None:
             raise FreetokenError("the checkpoint has no MTP head; use --spec none", origin)
@@ -37,6 +45,9 @@ class MTPMethod:
             raise FreetokenError("--spec mtp needs --num-draft-tokens >= 1")
         self.network, self.kv_pool, self.device = network, kv_pool, device
         self.num_draft_tokens = num_draft_tokens
+        self.graphs = None
+        if cuda_graphs and DraftGraphs.supported(model, device):
+            self.graphs = DraftGraphs(network, kv_pool, num_draft_tokens, max_blocks_per_seq or kv_pool.num_blocks)
 
     def _run(self, groups: list[RowGroup], hidden: torch.Tensor) -> torch.Tensor:
         ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, None, self.device)
@@ -70,6 +81,9 @@ class MTPMethod:
             # A request with a one-token prompt has no committed row yet: draft its last token.
             fallback = [[r.last_token_id] * k for r in requests]
             return Proposal(torch.tensor(fallback, dtype=torch.long), None)
+        if self.graphs is not None and self.graphs.covers(requests):
+            tokens = self.graphs.run([s.hidden for s in states], [r.block_table for r in requests], [s.position for s in states])
+            return Proposal(tokens, None)
         hidden = torch.stack([s.hidden for s in states])
         drafted: list[list[int]] = [[] for _ in range(b)]
         probs: list[torch.Tensor] = []
