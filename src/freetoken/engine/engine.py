@@ -57,10 +57,12 @@ class LLMEngine:
         self.state_pool = LinearStatePool(num_linear, config.max_num_seqs, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
         block_bytes = model.num_kv_layers * config.block_size * num_kv_heads * head_dim * 2 * config.torch_dtype.itemsize
         self.kv_pool = KVPool(model.num_kv_layers, self._num_kv_blocks(block_bytes), config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
-        self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin)
+        max_blocks_per_seq = -(-(config.max_model_len + k + 1) // config.block_size)
+        self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin,
+                                                               cuda_graphs=config.cuda_graphs, max_blocks_per_seq=max_blocks_per_seq)
         self.graphs = None
         if config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device):
-            self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq=-(-(config.max_model_len + k + 1) // config.block_size))
+            self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq)
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)

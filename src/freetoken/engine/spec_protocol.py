@@ -4,6 +4,10 @@ Every decode step is a verify: each running request feeds k+1 rows (its last tok
 the same k for every request. `none` is the method with k = 0, so there is one decode path. A
 method sees the target's committed rows through `observe` and proposes drafts through `propose`;
 it never touches the scheduler or the pools beyond the block tables it is handed.
+
+Every method is built as `Method(model, kv_pool, num_draft_tokens, device, origin=..., cuda_graphs=...,
+max_blocks_per_seq=...)`; the last two say whether it may replay its drafting as CUDA graphs and the
+padded block-table width of those graphs (methods with nothing to capture ignore them).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class NoSpec:
 
     num_draft_tokens = 0
 
-    def __init__(self, model=None, kv_pool=None, num_draft_tokens: int = 0, device=None, origin: str | None = None):
+    def __init__(self, model=None, kv_pool=None, num_draft_tokens: int = 0, device=None, origin: str | None = None, cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         assert num_draft_tokens == 0
 
     def observe(self, rows: Sequence[CommittedRows]) -> None:
