@@ -71,6 +71,7 @@ class _Graph:
     inputs: ChainInputs
     hidden: torch.Tensor  # [B, H] static input: the MTP output of each request's last observed row
     drafts: torch.Tensor  # [B, k] int64 static output
+    contexts: list[ForwardContext]  # the chained steps' contexts, kept alive with the graph: the device tensors its kernels read
 
 
 class DraftGraphs:
@@ -136,7 +137,7 @@ class DraftGraphs:
             return torch.stack(drafts, dim=1)  # [B, k]
 
         graph, drafts = self._record(chain)
-        return _Graph(graph, inputs, static_hidden, drafts)
+        return _Graph(graph, inputs, static_hidden, drafts, ctxs)
 
     def _record(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm fn up twice on a side stream (compiles every kernel, settles the allocator), then
