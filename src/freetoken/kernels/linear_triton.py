@@ -28,7 +28,7 @@ from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
-TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_speed.py)
+TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,9 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     n_tiles = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(k_blocks // 4, TARGET_PROGRAMS // n_tiles))  # each slice keeps >= 4 K blocks
-    return LinearConfig(block_n, block_k, split)
+    # Fewer programs than the target: each keeps more loads in flight (pipelining changes no bits).
+    stages = 5 if n_tiles * split < TARGET_PROGRAMS else 3
+    return LinearConfig(block_n, block_k, split, num_stages=stages)
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
