@@ -29,6 +29,16 @@ SHAPES_9B = {  # name: (N, K, calls per decode step) of the 9B shape, projection
     "mlp_down": (4096, 12288, 32),
     "lm_head": (248320, 4096, 1),
 }
+SHAPES_35B = {  # the Qwen3.5-35B-A3B shape's dense linears
+    "35b_gdn_in": (8192 + 4096 + 64, 2048, 30),
+    "35b_gdn_out": (2048, 4096, 30),
+    "35b_attn_qkv": (8192 + 1024, 2048, 10),
+    "35b_o_proj": (2048, 4096, 10),
+    "35b_gates": (257, 2048, 40),
+    "35b_shared_gate_up": (1024, 2048, 40),
+    "35b_shared_down": (2048, 512, 40),
+    "35b_lm_head": (248320, 2048, 1),
+}
 L2_BYTES = 64 << 20
 CALLS_PER_GRAPH = 16
 
@@ -75,12 +85,13 @@ def main() -> None:
     ap.add_argument("--m", type=int, action="append")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shape", action="append")
+    ap.add_argument("--model", choices=("9b", "35b"), default="9b")
     args = ap.parse_args()
     ms = args.m or [1]
     bw = copy_bandwidth()
     print(json.dumps({"copy_bandwidth_bytes_per_s": bw, "gpu": torch.cuda.get_device_name()}), flush=True)
     totals = {m: {"shipped_us": 0.0, "best_us": 0.0} for m in ms}
-    for name, (n, k, calls) in SHAPES_9B.items():
+    for name, (n, k, calls) in (SHAPES_9B if args.model == "9b" else SHAPES_35B).items():
         if args.shape and name not in args.shape:
             continue
         copies = max(2, min(CALLS_PER_GRAPH, -(-2 * L2_BYTES // (n * k * 2))))
@@ -108,7 +119,7 @@ def main() -> None:
             print(json.dumps({"best": best, "shipped": shipped}), flush=True)
             totals[m]["shipped_us"] += calls * shipped["us"]
             totals[m]["best_us"] += calls * best["us"]
-    print(json.dumps({"9b_step_linear_totals": totals}), flush=True)
+    print(json.dumps({f"{args.model}_step_linear_totals": totals}), flush=True)
 
 
 if __name__ == "__main__":
