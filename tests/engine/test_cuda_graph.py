@@ -53,3 +53,18 @@ def test_sampled_and_penalized_requests_replay_like_eager(fixture_unified, k):
     for params in (SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
                    SamplingParams(max_new_tokens=24, presence_penalty=0.5, ignore_eos=True)):
         assert _run(model, graphs=True, spec=spec, k=k, params=params) == _run(model, graphs=False, spec=spec, k=k, params=params)
+
+
+def test_shrinking_batches_run_at_bucket_sizes(fixture_unified):
+    """Requests of different lengths: the batch shrinks 5 -> 1 and runs padded to the buckets 8, 4, 2, 1,
+    with the tokens of the eager engine."""
+    model = _model(fixture_unified, "qwen35_dense")
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 12, 18, 24, 30)]
+    outputs = {}
+    for graphs in (False, True):
+        config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, cuda_graphs=graphs, max_model_len=256)
+        engine = LLMEngine(model, config)
+        outputs[graphs] = [r.output_token_ids for r in engine.generate(PROMPTS, params)]
+        if graphs:
+            assert sorted({key[0] for key in engine.graphs.graphs}) == [1, 2, 4, 8]
+    assert outputs[True] == outputs[False]

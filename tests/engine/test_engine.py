@@ -120,3 +120,27 @@ def test_kv_blocks_for_memory():
         kv_blocks_for_memory(block, 0.5, block, "cuda:0")
     with pytest.raises(FreetokenError, match="--mem-fraction"):
         EngineConfig(mem_fraction=1.5)
+
+
+def test_decode_graph_buckets_and_padding_rows():
+    """Batch sizes round up to 1, 2, 4, multiples of 8 and max_num_seqs; padding rows use a KV block and a
+    state slot taken out of the pools."""
+    from freetoken.engine.cuda_graph import DecodeGraphs, batch_buckets
+    from freetoken.engine.kv_pool import KVPool
+    from freetoken.engine.linear_state_pool import LinearStatePool
+    from freetoken.engine.runner import RowGroup
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    kv = KVPool(1, 10, 4, 1, 8, torch.float32, "cpu")
+    states = LinearStatePool(1, 4, (3, 8), (1, 4, 4), torch.float32, "cpu")
+    graphs = DecodeGraphs(torch.nn.Linear(1, 1), kv, states, torch.device("cpu"), max_blocks_per_seq=4, max_num_seqs=3)
+    assert kv.num_blocks == 9 and graphs.pad_block not in kv.free_blocks
+    assert graphs.pad_slot not in states.free_slots and states.num_free_slots == 3
+    assert [graphs.bucket(b) for b in (1, 2, 3)] == [1, 2, 3]
+    real = [RowGroup([0, 1], states.allocate(), 5, [7, 8, 9, 10, 11]) for _ in range(2)]
+    graphs.buckets = [1, 4]
+    padded = graphs._padded(real)
+    assert padded[:2] == real and len(padded) == 4
+    assert all(g.block_table == [graphs.pad_block] * 2 and g.state_slot == graphs.pad_slot and g.start == 0 and len(g.token_ids) == 5 for g in padded[2:])

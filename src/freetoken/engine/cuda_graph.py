@@ -1,7 +1,10 @@
-"""CUDA graphs for the decode/verify step: one graph per (batch size, rows per request, mode, greedy).
+"""CUDA graphs for the decode/verify step: one graph per (bucketed batch size, rows per request, mode, greedy).
 
 A decode step is uniform (k+1 rows for every request), so its target forward and lm_head can be
-captured once and replayed with new inputs. The per-step inputs (token ids, positions, KV slots,
+captured once and replayed with new inputs. Batch sizes are rounded up to buckets (1, 2, 4, then
+multiples of 8 up to max_num_seqs): the padding requests' rows read and write only a KV block and
+a GDN state slot reserved for them, their results are ignored, and since every op is row-invariant
+the real rows get the bits they would get in a batch of their own size. The per-step inputs (token ids, positions, KV slots,
 state slots, context lengths, block tables) live in one staging buffer: the host fills its pinned
 twin with numpy and one asynchronous copy moves it to the device, where the captured kernels read
 them. A replay computes exactly what the eager forward would (same kernels, same launch shapes).
@@ -83,12 +86,35 @@ class GraphStep:
     accepted_rows: torch.Tensor | None = None  # [B] int32: rows each sequence commits (VERIFY)
 
 
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes graphs are captured at: 1, 2, 4, then multiples of 8, the last one max_num_seqs."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sizes + [max_num_seqs]
+
+
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, state_pool: LinearStatePool | None, device: torch.device, max_blocks_per_seq: int):
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, state_pool: LinearStatePool | None, device: torch.device,
+                 max_blocks_per_seq: int, max_num_seqs: int):
+        """Takes one KV block and one state slot out of the pools for the padding rows (the engine sizes
+        the pools with one spare of each)."""
         self.model, self.kv_pool, self.state_pool, self.device = model, kv_pool, state_pool, device
         self.max_blocks = max_blocks_per_seq
+        self.buckets = batch_buckets(max_num_seqs)
+        self.pad_block = kv_pool.reserve_block()
+        self.pad_slot = state_pool.reserve_slot() if state_pool is not None else None
         self.graphs: dict[tuple[int, int, ForwardMode, bool], GraphStep] = {}
         self.pool = None
+
+    def bucket(self, num_seqs: int) -> int:
+        """The captured batch size a batch of num_seqs requests runs at."""
+        return next((b for b in self.buckets if b >= num_seqs), num_seqs)
+
+    def _padded(self, groups: list[RowGroup]) -> list[RowGroup]:
+        """groups and padding requests up to the bucket: rows at positions 0.. of the reserved block and slot."""
+        rows = len(groups[0].token_ids)
+        table = [self.pad_block] * -(-rows // self.kv_pool.block_size)
+        pad = RowGroup(table, self.pad_slot, 0, [0] * rows)
+        return groups + [pad] * (self.bucket(len(groups)) - len(groups))
 
     @staticmethod
     def supported(model: torch.nn.Module, device: torch.device) -> bool:
@@ -98,7 +124,9 @@ class DecodeGraphs:
         return device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
 
     def run(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool) -> GraphStep:
-        """Replay the step of these uniform row groups (captured on first use); read its outputs from the result."""
+        """Replay the step of these uniform row groups (captured on first use); read its outputs from the
+        result: the groups' rows come first, then the padding rows up to the bucket."""
+        groups = self._padded(groups)
         key = (len(groups), len(groups[0].token_ids), mode, greedy)
         entry = self.graphs.get(key)
         if entry is None:
@@ -108,8 +136,10 @@ class DecodeGraphs:
         return entry
 
     def commit(self, entry: GraphStep, accepted_rows: torch.Tensor) -> None:
-        """Replay the commit graph of a sampled verify; accepted_rows [B] on the device."""
-        entry.accepted_rows.copy_(accepted_rows)
+        """Replay the commit graph of a sampled verify; accepted_rows [B] on the device for the real
+        requests (the padding requests commit one row into their own slot)."""
+        entry.accepted_rows[: accepted_rows.shape[0]].copy_(accepted_rows)
+        entry.accepted_rows[accepted_rows.shape[0] :].fill_(1)
         entry.commit_graph.replay()
 
     # -- capture -------------------------------------------------------------------------------------

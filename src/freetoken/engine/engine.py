@@ -54,15 +54,15 @@ class LLMEngine:
         k = config.num_draft_tokens
         num_kv_heads, head_dim = model.kv_head_shape
         num_linear, conv_shape, recurrent_shape = model.linear_state_shapes
-        self.state_pool = LinearStatePool(num_linear, config.max_num_seqs, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
+        use_graphs = config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device)
+        spare = int(use_graphs)  # the graphs' padding rows get a KV block and a state slot of their own
+        self.state_pool = LinearStatePool(num_linear, config.max_num_seqs + spare, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
         block_bytes = model.num_kv_layers * config.block_size * num_kv_heads * head_dim * 2 * config.torch_dtype.itemsize
-        self.kv_pool = KVPool(model.num_kv_layers, self._num_kv_blocks(block_bytes), config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
+        self.kv_pool = KVPool(model.num_kv_layers, self._num_kv_blocks(block_bytes) + spare, config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
         max_blocks_per_seq = -(-(config.max_model_len + k + 1) // config.block_size)
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin,
                                                                cuda_graphs=config.cuda_graphs, max_blocks_per_seq=max_blocks_per_seq)
-        self.graphs = None
-        if config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device):
-            self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq)
+        self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq, config.max_num_seqs) if use_graphs else None
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
@@ -137,14 +137,15 @@ class LLMEngine:
         mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
         greedy = all(r.params.is_plain_greedy for r in requests)
         if self.graphs is not None:
-            step = self.graphs.run(groups, mode, greedy)
+            step = self.graphs.run(groups, mode, greedy)  # outputs of padding rows follow the requests' rows
+            rows = len(requests) * (k + 1)
             if greedy:  # verify and commit ran inside the graph
-                accepted, next_tokens = step.result.tolist()
-                return step.hidden, accepted, next_tokens
-            result = self._sample(step.logits, requests, proposal)
+                accepted, next_tokens = step.result[:, : len(requests)].tolist()
+                return step.hidden[:rows], accepted, next_tokens
+            result = self._sample(step.logits[:rows], requests, proposal)
             if k > 0:
                 self.graphs.commit(step, result.accepted_len + 1)  # on the device: no host round trip first
-            return step.hidden, result.accepted_len.tolist(), result.next_token.tolist()
+            return step.hidden[:rows], result.accepted_len.tolist(), result.next_token.tolist()
         ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
         hidden = self.model(ctx)
         result = self._sample(self.model.compute_logits(hidden), requests, proposal)

@@ -25,6 +25,11 @@ class KVPool:
         )
         self.free_blocks: deque[int] = deque(range(num_blocks))
 
+    def reserve_block(self) -> int:
+        """Take one free block out of circulation for good; num_blocks counts only the others."""
+        self.num_blocks -= 1
+        return self.free_blocks.pop()
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)

@@ -27,5 +27,9 @@ class LinearStatePool:
         self.state.recurrent[:, slot].zero_()
         return slot
 
+    def reserve_slot(self) -> int:
+        """Take one free slot out of circulation for good."""
+        return self.free_slots.pop(0)
+
     def free(self, slot: int) -> None:
         self.free_slots.append(slot)
