@@ -1,4 +1,5 @@
-"""Triton paged attention vs the batched torch reference, and each row alone vs in a batch (bitwise)."""
+"""Triton paged attention vs the batched torch reference, and each row alone vs in a batch (bitwise),
+for row groups of every size the GQA group allows."""
 
 import pytest
 import torch
@@ -39,11 +40,11 @@ def shapes(device):
 
 @pytest.fixture(params=["shipped", "small"])
 def partition(request, monkeypatch):
-    """The shipped partition size, and (CPU contexts are short) 16-key blocks in 32-key partitions,
-    so rows span several partitions and the merge is exercised."""
+    """The shipped partition size, and (CPU contexts are short) 16-key partitions, so rows span
+    several partitions and the merge is exercised."""
     if request.param == "small":
         monkeypatch.setattr(attention_triton, "BLOCK_N", 16)
-        monkeypatch.setattr(attention_triton, "PARTITION", 32)
+        monkeypatch.setattr(attention_triton, "PARTITION", 16)
     return request.param
 
 
@@ -81,6 +82,75 @@ def test_paged_attention_row_alone_equals_row_in_batch(device, partition):
             alone = SeqBatch((0,), (1,), (batch.num_cached[i] + j,), (-1,), (batch.block_tables[i],), batch.device)
             out = attention_triton.paged_attention(q[row : row + 1], k_cache, v_cache, alone, BLOCK, 0.2)
             assert torch.equal(out[0], full[row]), f"sequence {i} row {j}"
+
+
+def verify_shapes(device):
+    # Verify-like: several sequences with 1..5 rows each (decode rows among them), contexts that start
+    # and end at partition edges and across them, and a prefill chunk of one sequence.
+    if device == "cpu":
+        return [3, 1, 5, 2, 4, 1, 12], [5, 9, 62, 15, 30, 0, 0]
+    return [4, 1, 5, 2, 4, 1, 4, 300], [61, 1000, 62, 127, 4093, 0, 64, 20]
+
+
+def poison_unused(k_cache, v_cache, batch):
+    """NaN in every cache slot that holds no token of the batch (unwritten KV)."""
+    used = torch.zeros(k_cache.shape[0], dtype=torch.bool, device=k_cache.device)
+    for table, c, n in zip(batch.block_tables, batch.num_cached, batch.num_rows):
+        pos = torch.arange(c + n, device=k_cache.device)
+        used[table[pos // BLOCK].long() * BLOCK + pos % BLOCK] = True
+    k_cache[~used] = float("nan")
+    v_cache[~used] = float("nan")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_verify_rows_alone_equal_rows_in_batch(device, group, dtype, partition):
+    num_rows, num_cached = verify_shapes(device)
+    d = 32 if device == "cpu" else 256
+    q, k_cache, v_cache, batch = setup(device, dtype, num_rows, num_cached, (2 * group, 2), d, seed=4)
+    poison_unused(k_cache, v_cache, batch)
+    full = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, 0.2)
+    assert full.isfinite().all()
+    for i in range(batch.num_seqs):
+        for j in range(batch.num_rows[i]):
+            row = batch.row_starts[i] + j
+            alone = SeqBatch((0,), (1,), (batch.num_cached[i] + j,), (-1,), (batch.block_tables[i],), batch.device)
+            out = attention_triton.paged_attention(q[row : row + 1], k_cache, v_cache, alone, BLOCK, 0.2)
+            assert torch.equal(out[0], full[row]), f"group {group} sequence {i} row {j}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [1, 3, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_verify_matches_reference(device, group, dtype, partition):
+    num_rows, num_cached = verify_shapes(device)
+    d = 32 if device == "cpu" else 256
+    q, k_cache, v_cache, batch = setup(device, dtype, num_rows, num_cached, (2 * group, 2), d, seed=5)
+    got = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, d**-0.5)
+    want = batched.paged_attention_batched(q, k_cache, v_cache, batch, BLOCK, d**-0.5)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_launches_split_by_whole_groups(device, monkeypatch):
+    # A workspace budget below one row forces a launch per row group: the same bits as one launch.
+    num_rows, num_cached = verify_shapes(device)
+    q, k_cache, v_cache, batch = setup(device, torch.bfloat16, num_rows, num_cached, (8, 2), seed=6)
+    whole = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, 0.2)
+    monkeypatch.setattr(attention_triton, "WORKSPACE_BYTES", 1)
+    split = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, 0.2)
+    assert torch.equal(split, whole)
+
+
+def test_row_groups_stay_within_sequences():
+    batch = SeqBatch((0, 3, 4, 9), (3, 1, 5, 0), (7, 2, 0, 4), (-1,) * 4, (torch.zeros(1, dtype=torch.int32),) * 4, torch.device("cpu"))
+    sizes, groups = batch.row_groups(2)
+    assert sizes == (2, 1, 1, 2, 2, 1)
+    assert groups.tolist() == [[0, 2], [2, 1], [3, 1], [4, 2], [6, 2], [8, 1]]
+    assert batch.row_groups(2)[1] is groups
+    assert list(attention_triton._launches(sizes, 3)) == [(0, 2, 0, 3), (2, 4, 3, 6), (4, 6, 6, 9)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,17 +1,36 @@
 """Paged causal attention with GQA over a whole batch of query rows (Triton), split over the keys.
 
 A decode step has one query row per request: one program per (row, KV head) would leave most of the
-GPU idle while it walks the whole context. So every row's keys are cut into fixed PARTITION-token
-partitions counted from position 0. Program (r, h, p) runs an online softmax in fp32 over partition
-p of row r for KV head h and its G query heads (padded to at least 16 for the dot), in BLOCK_N
-steps, and writes (max, sum, unnormalised output) to a workspace. A second kernel, one program per
-(row, query head), merges the row's partitions in order p = 0, 1, ..., divides, casts, and (when
-given) multiplies by the sigmoid output gate.
+GPU idle while it walks the whole context. So the keys are cut into fixed PARTITION-token partitions
+counted from position 0, and a first kernel computes, for each partition separately, a softmax in
+fp32 (max, sum, unnormalised output) into a workspace. A second kernel, one program per (row, query
+head), merges the row's partitions in order p = 0, 1, ..., divides, casts, and (when given)
+multiplies by the sigmoid output gate.
 
-Every row, in every step, goes through these two kernels; the partitions depend only on the row's
-own context length. A row therefore gets the same bits in decode, extend and verify, whatever else
-shares the launch. Rows are launched in groups of at most `rows_per_launch` (from the workspace
-budget and the shapes alone), which changes no bits.
+The first kernel's program (g, h, p) takes partition p of a *row group* for KV head h: up to
+R = G_PAD // G consecutive rows of one sequence (G_PAD = max(16, next_pow2(G)), the dot's M), whose G
+query heads each fill one tile of G entries of the dot: the row at position pos of its sequence
+always takes tile pos % R (entry i: tile i // G, query head h * G + i % G); entries of empty tiles are
+masked off. The K/V block is read once for the whole group, so a verify step of k+1 rows costs
+about what a decode step costs. Each entry is masked by its own row's context length; a partition
+runs when it starts before the group's longest context.
+
+A row gets the same bits whether it is alone (decode), with its verify siblings, in a prefill chunk,
+or next to any other sequences:
+- The dots are always [G_PAD, D] x [D, PARTITION] and [G_PAD, PARTITION] x [PARTITION, D], and a
+  row sits in the same entries of them in every case (its tile depends on its position only). An
+  output row of a dot depends only on that row of the left operand and on the right operand, so the
+  other tiles' contents do not matter; the row max, sum and softmax are per entry too.
+- PARTITION == BLOCK_N: a partition is one key block, so every entry takes the same steps.
+- Keys are loaded up to the group's longest context; those past an entry's own length are set to
+  -inf in its scores, so e = exp(-inf - m) = 0 exactly, and their values (written this step, hence
+  finite) add 0 * v = 0 (at most the sign of a zero differs, and the merge's sum, which starts at
+  +0, drops it). Slots past the group's longest context (unwritten, maybe NaN) are never loaded.
+  An entry with no key in the partition uses m = 0, so its e is 0, not NaN.
+- Only entries whose row has a key in the partition are stored, and the merge reads a row's
+  partitions p < cdiv(ctx_len, PARTITION) only: exactly those.
+Rows are launched in runs of whole groups of at most `rows_per_launch` rows (from the workspace
+budget and the shapes alone), which changes no bits either.
 """
 
 from __future__ import annotations
@@ -24,61 +43,64 @@ from freetoken.kernels.batched import SeqBatch
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_N = 64
-PARTITION = 64  # keys per partition: a multiple of BLOCK_N
+PARTITION = 64  # keys per partition: exactly one BLOCK_N block
+NUM_WARPS = 4
 WORKSPACE_BYTES = 64 << 20
 
 
 @triton.jit
 def _partition_kernel(
     q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr,
-    row_seq_ptr, ctx_len_ptr, table_ptr,
-    G, D, block_size, scale, num_parts,
+    group_ptr, row_seq_ptr, ctx_len_ptr, table_ptr,
+    G, D, block_size, scale, num_parts, row0,
     q_row, q_head, kv_slot, kv_head, table_row,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
-    ctx_len = tl.load(ctx_len_ptr + r)
+    first = tl.load(group_ptr + 2 * g).to(tl.int64)
+    count = tl.load(group_ptr + 2 * g + 1)
+    R = G_PAD // G
+    es = tl.arange(0, G_PAD)
+    tile = es // G  # [G_PAD]: the row at position pos of its sequence takes tile pos % R
+    pos0 = tl.load(ctx_len_ptr + first) - 1
+    j = (tile + R - pos0 % R) % R  # row of the group in each tile
+    me = (tile < R) & (j < count)
+    rows = first + j  # [G_PAD]
+    ctx_len = tl.load(ctx_len_ptr + rows, mask=me, other=0)  # [G_PAD]: keys of each entry's row
+    group_len = tl.max(ctx_len, axis=0)
     begin = p * PARTITION
-    if begin < ctx_len:
-        seq = tl.load(row_seq_ptr + r).to(tl.int64)
-        gs = tl.arange(0, G_PAD)
+    if begin < group_len:
+        seq = tl.load(row_seq_ptr + first).to(tl.int64)
+        heads = h * G + es % G
         ds = tl.arange(0, D_PAD)
-        mg = gs < G
         md = ds < D
-        heads = h * G + gs
-        q = tl.load(q_ptr + r * q_row + heads[:, None] * q_head + ds[None, :], mask=mg[:, None] & md[None, :], other=0.0)
+        q = tl.load(q_ptr + rows[:, None] * q_row + heads[:, None] * q_head + ds[None, :], mask=me[:, None] & md[None, :], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((G_PAD,), dtype=tl.float32)
-        acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
-        ns = tl.arange(0, BLOCK_N)
-        end = tl.minimum(begin + PARTITION, ctx_len)
-        for n0 in range(begin, end, BLOCK_N):
-            pos = n0 + ns
-            mn = pos < end
-            block = tl.load(table_ptr + seq * table_row + pos // block_size, mask=mn, other=0).to(tl.int64)
-            slot = block * block_size + pos % block_size
-            kv_off = slot[:, None] * kv_slot + h * kv_head + ds[None, :]
-            kv_mask = mn[:, None] & md[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            if DOT_F32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_PAD, BLOCK_N]
-            s = tl.where(mn[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            e = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(e, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(e, v, input_precision="ieee")
-            m_i = m_new
-        ws = (r * (G * tl.num_programs(1)) + heads) * num_parts + p  # [G_PAD] workspace entries
-        tl.store(m_ptr + ws, m_i, mask=mg)
-        tl.store(l_ptr + ws, l_i, mask=mg)
-        tl.store(acc_ptr + ws[:, None] * D + ds[None, :], acc, mask=mg[:, None] & md[None, :])
+        pos = begin + tl.arange(0, PARTITION)
+        mn = pos < group_len  # keys written for some row of the group
+        block = tl.load(table_ptr + seq * table_row + pos // block_size, mask=mn, other=0).to(tl.int64)
+        slot = block * block_size + pos % block_size
+        kv_off = slot[:, None] * kv_slot + h * kv_head + ds[None, :]
+        kv_mask = mn[:, None] & md[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_PAD, PARTITION]
+        s = tl.where(pos[None, :] < ctx_len[:, None], s, float("-inf"))  # each entry: its own row's keys
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # an entry without keys here: e = 0 rather than NaN
+        e = tl.exp(s - m[:, None])
+        l = tl.sum(e, axis=1)
+        acc = tl.dot(e, v, input_precision="ieee")  # [G_PAD, D_PAD]
+        ws = ((rows - row0) * (G * tl.num_programs(1)) + heads) * num_parts + p  # [G_PAD] workspace entries
+        mw = me & (begin < ctx_len)
+        tl.store(m_ptr + ws, m, mask=mw)
+        tl.store(l_ptr + ws, l, mask=mw)
+        tl.store(acc_ptr + ws[:, None] * D + ds[None, :], acc, mask=mw[:, None] & md[None, :])
 
 
 @triton.jit
@@ -130,27 +152,45 @@ def paged_attention(
     out = torch.empty_like(q)
     if n == 0:
         return out
+    assert PARTITION == BLOCK_N, "one key block per partition: every row takes the same softmax steps"
     table = batch.block_table
     num_parts = triton.cdiv(table.shape[1] * block_size, PARTITION)  # covers the longest context the table can hold
-    rows_per_launch = max(1, WORKSPACE_BYTES // (num_q_heads * num_parts * (d + 2) * 4))
+    g_pad = max(16, triton.next_power_of_2(group))
+    per_group = max(1, g_pad // group)  # rows whose query heads fit in the dot's G_PAD rows
+    sizes, groups = batch.row_groups(per_group)
+    assert sum(sizes) == n
+    rows_per_launch = max(per_group, WORKSPACE_BYTES // (num_q_heads * num_parts * (d + 2) * 4))
     rows_ws = min(n, rows_per_launch)
     m_ws = torch.empty(rows_ws * num_q_heads * num_parts, dtype=torch.float32, device=q.device)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty(rows_ws * num_q_heads * num_parts * d, dtype=torch.float32, device=q.device)
     g = gate if gate is not None else q
     d_pad = max(16, triton.next_power_of_2(d))
-    for r0 in range(0, n, rows_per_launch):
-        rows = min(rows_per_launch, n - r0)
-        _partition_kernel[(rows, num_kv_heads, num_parts)](
-            q[r0:], k_cache, v_cache, m_ws, l_ws, acc_ws, batch.row_seq[r0:], batch.context_lens[r0:], table,
-            group, d, block_size, scale, num_parts,
+    for g0, g1, r0, r1 in _launches(sizes, rows_per_launch):
+        _partition_kernel[(g1 - g0, num_kv_heads, num_parts)](
+            q, k_cache, v_cache, m_ws, l_ws, acc_ws, groups[g0:], batch.row_seq, batch.context_lens, table,
+            group, d, block_size, scale, num_parts, r0,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
-            G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad, BLOCK_N=BLOCK_N, PARTITION=PARTITION,
-            DOT_F32=INTERPRET, num_warps=4,
+            G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, num_warps=NUM_WARPS,
         )
-        _merge_kernel[(rows, num_q_heads)](
+        _merge_kernel[(r1 - r0, num_q_heads)](
             m_ws, l_ws, acc_ws, g[r0:], out[r0:], batch.context_lens[r0:],
             d, num_parts, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, num_warps=4,
+            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, num_warps=NUM_WARPS,
         )
     return out
+
+
+def _launches(sizes: tuple[int, ...], max_rows: int):
+    """Runs of whole row groups of at most max_rows rows -> (first group, end group, first row, end row)."""
+    if sum(sizes) <= max_rows:
+        yield 0, len(sizes), 0, sum(sizes)
+        return
+    g0 = r0 = 0
+    while g0 < len(sizes):
+        g1, r1 = g0, r0
+        while g1 < len(sizes) and r1 + sizes[g1] - r0 <= max_rows:
+            r1 += sizes[g1]
+            g1 += 1
+        yield g0, g1, r0, r1
+        g0, r0 = g1, r1

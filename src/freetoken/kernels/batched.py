@@ -80,6 +80,17 @@ class SeqBatch:
         lens = [c + j + 1 for c, n in zip(self.num_cached, self.num_rows) for j in range(n)]
         return torch.tensor(lens, dtype=torch.int32, device=self.device)
 
+    def row_groups(self, size: int) -> tuple[tuple[int, ...], torch.Tensor]:
+        """Each sequence's rows cut into runs of at most `size` consecutive rows: the row count of each
+        run, and [runs, 2] int32 (first row, row count) on the device. Built on first use for each size
+        from the fixed row layout (in a CUDA graph, by the eager warm-up before the capture)."""
+        key = f"row_groups_{size}"
+        if key not in self.__dict__:
+            runs = [(s + j, min(size, n - j)) for s, n in zip(self.row_starts, self.num_rows) for j in range(0, n, size)]
+            groups = torch.tensor(runs, dtype=torch.int32, device=self.device).view(-1, 2)
+            self.__dict__[key] = (tuple(c for _, c in runs), groups)
+        return self.__dict__[key]
+
     @functools.cached_property
     def block_table(self) -> torch.Tensor:  # [B, max_blocks] int32, padded with 0
         width = max((t.shape[0] for t in self.block_tables), default=1)
