@@ -174,3 +174,74 @@ def test_gdn_fused_verify_then_replay_equals_decoding_one_by_one(device):
     replay = SeqBatch((0,), (3,), (0,), (0,), (), torch.device(device))  # accept 3 of the 4 rows, in place
     assert gdn_triton.gdn_fused(verify_state, conv_out, a, b, a_log, dt_bias, hk, replay, compute_output=False) is None
     assert torch.equal(verify_state, decoded_state)
+
+
+def same_bits(x, y):
+    """Equal bit for bit (torch.equal alone takes -0.0 for 0.0)."""
+    if x is None or y is None:
+        return x is None and y is None
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    return x.dtype == y.dtype and torch.equal(x.view(ints[x.dtype]), y.view(ints[y.dtype]))
+
+
+def conv_gdn_inputs(num_rows, num_slots, device, dtype, seed):
+    """Pools and raw inputs of one layer; the rows are a strided column view, as in the layer."""
+    hk, hv, dk, dv, kw = (2, 4, 16, 40, 4) if device == "cpu" else (16, 32, 128, 128, 4)  # CPU: two value blocks
+    c, n = 2 * hk * dk + hv * dv, sum(num_rows)
+    gen = torch.Generator().manual_seed(seed)
+    proj = torch.randn(n, c + 2 * hv + 8, generator=gen).to(dtype).to(device)
+    x, b = proj[:, :c], proj[:, c : c + hv]
+    a = (proj[:, c + hv : c + 2 * hv].float() * 3).to(dtype)
+    a[0, 0] = 30.0  # the softplus branch for large inputs
+    weight = torch.randn(c, 1, kw, generator=gen).to(dtype).to(device)[:, 0, :]
+    a_log, dt_bias = torch.randn(hv, generator=gen).to(device), torch.randn(hv, generator=gen).to(device)
+    windows = torch.randn(num_slots, kw - 1, c, generator=gen).to(dtype).to(device)
+    state = (torch.randn(num_slots, hv, dk, dv, generator=gen) * 0.1).to(device)
+    return state, windows, (x, weight, a, b, a_log, dt_bias, hk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("write_state", [True, False])
+@pytest.mark.parametrize("compute_output", [True, False])
+def test_gdn_conv_fused_equals_conv_then_fused(device, dtype, write_state, compute_output):
+    num_rows, slots = [3, 1, 5, 0, 2, 4], [4, 0, 6, 2, 1, 5]  # slot 3 unused; slot 2's sequence has no rows
+    state, windows, (x, weight, a, b, a_log, dt_bias, hk) = conv_gdn_inputs(num_rows, 7, device, dtype, 11)
+    batch = make_batch(num_rows, slots, device)
+    want_state, want_windows = state.clone(), windows.clone()
+    conv_out = conv_triton.causal_conv1d(want_windows, x, weight, batch, write_state)
+    want = gdn_triton.gdn_fused(want_state, conv_out, a, b, a_log, dt_bias, hk, batch, write_state, compute_output, dtype)
+    got_state, got_windows = state.clone(), windows.clone()
+    got = gdn_triton.gdn_conv_fused(got_state, got_windows, x, weight, a, b, a_log, dt_bias, hk, batch, write_state, compute_output, dtype)
+    assert same_bits(got, want)
+    assert same_bits(got_state, want_state) and same_bits(got_windows, want_windows)
+    if not write_state:
+        assert same_bits(got_state, state) and same_bits(got_windows, windows)
+    assert not gdn_triton._ticket_buffer(x.device, 0).any()  # every launch leaves its tickets at 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_conv_fused_verify_then_replay_equals_decode(device, dtype):
+    rows_per_seq, accepted, slots = 4, [2, 4, 1], [2, 0, 1]
+    state, windows, (x, weight, a, b, a_log, dt_bias, hk) = conv_gdn_inputs([rows_per_seq] * 3, 3, device, dtype, 5)
+    batch = make_batch([rows_per_seq] * 3, slots, device)
+
+    def run(state, windows, rows, batch, **flags):
+        return gdn_triton.gdn_conv_fused(state, windows, x[rows], weight, a[rows], b[rows], a_log, dt_bias, hk, batch, out_dtype=dtype, **flags)
+
+    everything = slice(None)
+    verify_state, verify_windows = state.clone(), windows.clone()
+    verified = run(verify_state, verify_windows, everything, batch, write_state=False)
+    assert same_bits(verify_state, state) and same_bits(verify_windows, windows)
+
+    # The commit: the accepted prefix of each sequence, in place in the verify layout, no outputs.
+    assert run(verify_state, verify_windows, everything, batch.accepted(accepted), compute_output=False) is None
+
+    decode_state, decode_windows = state.clone(), windows.clone()
+    for step in range(rows_per_seq):
+        active = [i for i in range(3) if step < accepted[i]]
+        rows = torch.tensor([i * rows_per_seq + step for i in active], device=device)
+        out = run(decode_state, decode_windows, rows, make_batch([1] * len(active), [slots[i] for i in active], device))
+        assert same_bits(out, verified[rows]), f"decode step {step} output != verify row"
+    assert same_bits(decode_state, verify_state) and same_bits(decode_windows, verify_windows)

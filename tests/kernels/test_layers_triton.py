@@ -116,3 +116,66 @@ def test_verify_and_commit_equal_decode_bitwise(device):
             # last bits at different positions of a tensor, so only closeness holds here; the kernel's
             # replay == decode is checked bitwise in test_gdn_triton.
             torch.testing.assert_close(pools.recurrent[:, slot], committed[0][:, slot], rtol=1e-5, atol=1e-6)
+
+
+def unfused_conv_recurrent(state, windows, rows, weight, a, b, a_log, dt_bias, num_k_heads, batch, write_state=True, compute_output=True, out_dtype=torch.float32):
+    """The oracle for kernels.gdn_conv_recurrent: the convolution kernel, then the recurrence on its output."""
+    conv_out = freetoken.kernels.causal_conv1d_batched(windows, rows, weight, batch, write_state)
+    return freetoken.kernels.gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_gdn_layer_fused_conv_equals_unfused(monkeypatch, dtype):
+    """GatedDeltaNet on the Triton path with convolution and recurrence in one kernel gives the bits of
+    the convolution kernel followed by the recurrence: prefill without and with chunked rows, decode,
+    verify and the commit; and a prefill's recurrent rows get the bits of decoding them alone."""
+    if not INTERPRET:
+        pytest.skip("CPU interpreter test")
+    from freetoken.forward_context import ForwardContext, LinearState, SeqRows
+    from freetoken.layers.linear_attn import GatedDeltaNet
+
+    kw = 4
+    layer = GatedDeltaNet(32, 2, 4, 16, 16, kw, 1e-6, state_index=0)
+    gen = torch.Generator().manual_seed(0)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * 0.3).to(dtype)
+    layer.merge_projections()
+    pools = LinearState(torch.randn(1, 4, kw - 1, layer.conv_dim, generator=gen).to(dtype), torch.randn(1, 4, 4, 16, 16, generator=gen) * 0.1)
+    table = torch.zeros(1, dtype=torch.int32)
+
+    def step(state, mode, seqs, x):  # seqs: (slot, cached, rows) -> output [N, H]
+        starts = [sum(r for _, _, r in seqs[:i]) for i in range(len(seqs))]
+        rows = [SeqRows(s, r, c, table, slot) for (slot, c, r), s in zip(seqs, starts)]
+        ctx = ForwardContext(mode, torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], dtype=torch.long), torch.zeros(x.shape[0], dtype=torch.long), rows, None, state)
+        return ctx, layer(x, ctx)
+
+    def run(state):
+        x = (torch.randn(80, 32, generator=torch.Generator().manual_seed(1))).to(dtype)
+        outs = [step(state, ForwardMode.EXTEND, [(2, 0, 5), (0, 7, 1), (3, 3, 2)], x[:8])[1]]  # no chunked rows
+        outs.append(step(state, ForwardMode.EXTEND, [(1, 0, 70), (0, 8, 1)], x[8:79])[1])  # 64 chunked rows + 6
+        after_chunked = (state.conv[0, 0].clone(), state.recurrent[0, 0].clone())
+        ctx, verified = step(state, ForwardMode.VERIFY, [(2, 5, 3), (0, 9, 3)], x[74:80])
+        layer.commit(ctx, freetoken.kernels.seq_batch(ctx).accepted([2, 3]))
+        return outs + [verified], (state.conv.clone(), state.recurrent.clone()), after_chunked
+
+    start = (pools.conv.clone(), pools.recurrent.clone())
+    fused = run(pools)
+    pools.conv.copy_(start[0])
+    pools.recurrent.copy_(start[1])
+    with monkeypatch.context() as patch:
+        patch.setattr(freetoken.kernels, "gdn_conv_recurrent", unfused_conv_recurrent)
+        unfused = run(pools)
+    for got, want in zip(fused[0] + list(fused[1]), unfused[0] + list(unfused[1])):
+        assert torch.equal(got, want)
+    assert torch.equal(fused[2][0], unfused[2][0]) and torch.equal(fused[2][1], unfused[2][1])
+
+    # The decode row of the chunked step equals decoding it alone (the fused kernel).
+    pools.conv.copy_(start[0])
+    pools.recurrent.copy_(start[1])
+    x = (torch.randn(80, 32, generator=torch.Generator().manual_seed(1))).to(dtype)
+    step(pools, ForwardMode.EXTEND, [(2, 0, 5), (0, 7, 1), (3, 3, 2)], x[:8])
+    _, alone = step(pools, ForwardMode.EXTEND, [(0, 8, 1)], x[78:79])
+    assert torch.equal(pools.conv[0, 0], fused[2][0]) and torch.equal(pools.recurrent[0, 0], fused[2][1])
+    if dtype == torch.float32:  # the interpreter rounds a kernel's fp32 -> bf16 cast toward zero, torch to nearest
+        assert torch.equal(alone[0], fused[0][1][70])
