@@ -37,6 +37,7 @@ class TinySpec:
     hidden_size: int = 64
     tied: bool = False
     fused_experts: bool = False  # rewrite save_pretrained's per-expert tensors as released checkpoints store them
+    shared_expert_intermediate_size: int = 64  # 32 (= moe_intermediate_size): the Triton path stacks the shared expert as expert E
     with_mtp: bool = True
     eos_token_id: int | None = None  # None: vocab_size, an id no model can emit (generation runs to max_new_tokens)
     seed: int = 1  # seed 0 puts one position of the tied variant near a conditioning cliff (HF full vs HF decode 1.5e-4)
@@ -66,7 +67,7 @@ def hf_text_config(spec: TinySpec):
         bos_token_id=None,
     )
     if spec.moe:
-        return Qwen3_5MoeTextConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, **common)
+        return Qwen3_5MoeTextConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=spec.shared_expert_intermediate_size, **common)
     return Qwen3_5TextConfig(intermediate_size=128, **common)
 
 

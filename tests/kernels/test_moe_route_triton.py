@@ -3,7 +3,8 @@
 Route: experts exactly equal to the torch path's (softmax fp32, torch.topk), weights within rounding,
 on logits without near-ties (each row a shuffle of well-spaced values), a column-strided view (the
 router columns of the merged [E + 1] projection) and an expert count that is not a power of two;
-equal logits go to the lower expert ids; a row's bits alone == inside a batch.
+equal logits go to the lower expert ids; a row's bits alone == inside a batch; with the shared
+expert appended, column top_k is E and the routed columns and weights are unchanged.
 Align: sorted row ids and block experts equal to an expert-by-expert grouping, for one token, many tokens
 on few experts, more rows than one scan step, and expert-parallel slices (down to a rank that holds
 none of the routed experts, whose surplus blocks are spread over several programs).
@@ -60,6 +61,19 @@ def test_route_rows_are_invariant_to_batch(device):
     for i in (0, 6, 12):
         alone = moe_triton.route(logits[i : i + 1], top_k, torch.bfloat16)
         assert torch.equal(alone[0], experts[i : i + 1]) and torch.equal(alone[1], weights[i : i + 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_appends_the_shared_expert(device):
+    num_experts, top_k = (8, 2) if device == "cpu" else (256, 8)
+    logits = spaced_logits(6, num_experts, torch.bfloat16, device, seed=9, columns=num_experts + 1)
+    experts, weights = moe_triton.route(logits, top_k, torch.bfloat16)
+    with_shared, same = moe_triton.route(logits, top_k, torch.bfloat16, with_shared=True)
+    assert with_shared.shape == (6, top_k + 1) and same.shape == (6, top_k)
+    assert torch.equal(with_shared[:, :top_k], experts) and torch.equal(same, weights)
+    assert torch.equal(with_shared[:, top_k].cpu(), torch.full((6,), num_experts, dtype=torch.int32))
+    want, _ = moe_ref.route(logits.cpu(), top_k, torch.bfloat16, with_shared=True)
+    assert torch.equal(with_shared.cpu().long(), want)
 
 
 def align_reference(experts, first, count, num_blocks):

@@ -3,11 +3,14 @@
 Checks: values for several token counts (1, tokens sharing experts, one expert with rows over several
 row blocks); each row's bits alone == inside a bigger or different batch; an expert-parallel slice
 (other ranks' experts contribute exactly zero, the slices add up to the whole); the combine with the
-gated shared expert fused in == the fp32 partial finished by torch; SparseMoE's Triton path (router
-and shared gate merged or not) == its torch path, row by row invariant, launching only the Triton
-kernels of the block and no torch op that computes; on CUDA, the op and the whole block captured in
-a CUDA graph replay new inputs exactly as eager (no host sync in the path), and the block's kernel
-count seen by the profiler.
+gated shared expert fused in == the fp32 partial finished by torch; the shared expert stacked as
+expert E == the fp64 oracle, the torch reference and the dense shared MLP's Triton kernels, row by
+row invariant; SparseMoE's Triton path (unmerged, merged with the shared expert stacked, merged with
+a wider shared expert kept dense) == its torch path, row by row invariant, launching only the Triton
+kernels of the block (six when stacked) and no torch op that computes, and merging keeps the
+parameters' names, shapes and the torch path's result; on CUDA, the op and the whole block captured
+in a CUDA graph replay new inputs exactly as eager (no host sync in the path), and the block's
+kernel count seen by the profiler.
 On CPU the kernels run under TRITON_INTERPRET=1 at tiny shapes (H=64, E=8, top_k=2, I=32).
 Routing and align alone: test_moe_route_triton.py.
 """
@@ -152,10 +155,61 @@ def test_moe_with_shared_expert_fused(device, dtype):
             assert torch.equal(alone, got[i : i + 1]), f"row {i} alone differs"
 
 
-def moe_block(seed=11):
-    """A SparseMoE block at the test shape with random weights, on the CPU, fp32."""
+def stacked_for(device, dtype):
+    """gate_up [E + 1, 2I, H], down [E + 1, H, I]: the routed experts, then a shared expert."""
+    gate_up, down = weights_for(device, dtype)
+    shared_gate_up, shared_down = weights_for(device, dtype, seed=1)
+    return torch.cat([gate_up, shared_gate_up[:1]]), torch.cat([down, shared_down[:1]])
+
+
+def with_shared(experts, num_experts):
+    return torch.cat([experts, torch.full_like(experts[:, :1], num_experts)], dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_shared_expert_stacked(device, dtype):
+    """The shared expert as expert E == the fp64 oracle (fp32), the torch reference, and the routed
+    experts plus the dense shared MLP on the Triton kernels (linear, silu_mul, linear); rows invariant."""
+    from freetoken.kernels import linear_triton, norm_triton
+
+    gate_up, down = stacked_for(device, dtype)
+    num_experts = gate_up.shape[0] - 1
+    gen = torch.Generator().manual_seed(6)
+    for seed, (n, shared) in enumerate(CASES):
+        x, experts, w = routing(n, device, dtype, seed, shared)
+        experts = with_shared(experts, num_experts)
+        logits = torch.randn(n, 3, generator=gen).to(dtype).to(device)  # the gate is a strided column
+        got = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, logits[:, 1:2])
+        assert got.dtype == dtype and got.shape == x.shape
+        dense = linear_triton.linear(norm_triton.silu_mul(linear_triton.linear(x, gate_up[-1])), down[-1])
+        want = moe_triton.moe_experts(x, experts[:, :-1], w, gate_up[:-1], down[:-1], 0, dense, logits[:, 1:2])
+        torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype], msg=f"{n} tokens vs the dense shared MLP")
+        ref = moe_ref.moe_experts_with_shared(x.cpu(), experts.cpu(), w.cpu(), gate_up.cpu(), down.cpu(), logits[:, 1:2].cpu())
+        torch.testing.assert_close(got.cpu(), ref, rtol=TOL[dtype], atol=TOL[dtype], msg=f"{n} tokens vs reference")
+        if dtype == torch.float32:
+            xc, ec, gu, dn = x.cpu(), experts.cpu(), gate_up.cpu(), down.cpu()
+            routed = dense_oracle(xc, ec[:, :-1], w.cpu(), gu, dn)
+            shared_out = dense_oracle(xc, ec[:, -1:], torch.ones(n, 1), gu, dn)
+            exact = routed + torch.sigmoid(logits[:, 1:2].cpu().double()) * shared_out
+            torch.testing.assert_close(got.cpu().double(), exact, rtol=1e-5, atol=1e-5, msg=f"{n} tokens vs fp64")
+    x, experts, w = routing(19, device, dtype, seed=7)
+    experts = with_shared(experts, num_experts)
+    g = torch.randn(19, 1, generator=gen).to(dtype).to(device)
+    full = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)
+    for i in (0, 6, 18):
+        alone = moe_triton.moe_experts_with_shared(x[i : i + 1], experts[i : i + 1], w[i : i + 1], gate_up, down, g[i : i + 1])
+        first = moe_triton.moe_experts_with_shared(*(torch.cat([t[i : i + 1], t]) for t in (x, experts, w)), gate_up, down, torch.cat([g[i : i + 1], g]))
+        assert torch.equal(alone, first[:1]), f"row {i} first in a batch differs"
+        if device == "cuda":  # NumPy's sgemm (the interpreter's tl.dot) rounds a tile's later rows differently
+            assert torch.equal(alone, full[i : i + 1]), f"row {i} alone differs"
+
+
+def moe_block(seed=11, shared_size=None):
+    """A SparseMoE block at the test shape with random weights, on the CPU, fp32; the shared expert as
+    wide as a routed one unless shared_size is given."""
     h, e, k, i = shape("cpu")
-    block = SparseMoE(h, e, k, i, shared_intermediate_size=i)
+    block = SparseMoE(h, e, k, i, shared_intermediate_size=shared_size or i)
     gen = torch.Generator().manual_seed(seed)
     for p in block.parameters():
         p.data = torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5
@@ -169,20 +223,28 @@ def merged(block):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("merge", ["none", "stacked", "wide-shared"])
 def test_sparse_moe_triton_path_matches_torch_path(device, merge, monkeypatch):
     """fp32 only: in bf16 the two paths' router logits may round apart and pick other experts on a near tie."""
-    block = moe_block()
+    block = moe_block(shared_size=2 * shape("cpu")[3] if merge == "wide-shared" else None)
     x = torch.randn(9, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(12))
     monkeypatch.setattr(freetoken.kernels, "MODE", "torch")
     want = block(x)
-    monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     block, x = block.to(device), x.to(device)
-    if merge:
-        names = set(block.state_dict())
+    if merge != "none":
+        before = {name: t.clone() for name, t in block.state_dict().items()}
         merged(block)
-        assert set(block.state_dict()) == names and block.gates_weight.shape == (9, x.shape[1])
-        assert block.gate.weight.data_ptr() == block.gates_weight.data_ptr()
+        after = block.state_dict()
+        assert set(after) == set(before) and all(torch.equal(after[name], t) for name, t in before.items())
+        assert block.gates_weight.shape == (9, x.shape[1]) and block.gate.weight.data_ptr() == block.gates_weight.data_ptr()
+        assert (block.stacked is not None) == (merge == "stacked")
+        if block.stacked is not None:
+            gate_up, down = block.stacked
+            assert gate_up.shape[0] == down.shape[0] == block.experts.count + 1
+            assert block.experts.gate_up_proj.data_ptr() == gate_up.data_ptr() and block.experts.down_proj.data_ptr() == down.data_ptr()
+            assert block.shared_expert.gate_proj.weight.data_ptr() == gate_up[-1].data_ptr() and block.shared_expert.down_proj.weight.data_ptr() == down[-1].data_ptr()
+        torch.testing.assert_close(block(x).cpu(), want, rtol=1e-6, atol=1e-6, msg="the torch path after merging")
+    monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     got = block(x)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
     for i in (0, 8):
@@ -226,16 +288,18 @@ def launches(fn, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="counts launches under TRITON_INTERPRET=1")
-def test_sparse_moe_launches(monkeypatch):
+@pytest.mark.parametrize("stacked", [True, False])
+def test_sparse_moe_launches(stacked, monkeypatch):
     """Merged, one forward on the Triton path is the merged gate linear, route, align, gate_up, down and
-    combine, plus the shared expert's own kernels; torch only allocates and takes views."""
+    combine; a shared expert wider than a routed one adds its own kernels. Torch only allocates and
+    takes views."""
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
-    block = merged(moe_block())
+    block = merged(moe_block(shared_size=None if stacked else 2 * shape("cpu")[3]))
     x = torch.randn(5, block.gate.weight.shape[1])
     shared, _ = launches(lambda: block.shared_expert(x), monkeypatch)
     kernels, ops = launches(lambda: block(x), monkeypatch)
     moe = ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"]
-    assert sorted(kernels) == sorted(["_linear_kernel", *moe, *shared]), kernels
+    assert sorted(kernels) == sorted(["_linear_kernel", *moe, *([] if stacked else shared)]), kernels
     computing = [op for op in ops if not op.is_view and op.overloadpacket is not torch.ops.aten.empty]
     assert not computing, f"torch ops on the Triton path: {computing}"
 
@@ -310,7 +374,8 @@ def test_sparse_moe_replays_in_a_cuda_graph():
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
 def test_sparse_moe_kernel_count():
-    """Merged, one forward is six kernels (merged gate linear, route, align, gate_up, down, combine) plus the shared expert's."""
+    """Merged (the shared expert stacked as expert E), one forward is six kernels: merged gate linear,
+    route, align, gate_up, down, combine."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -325,6 +390,6 @@ def test_sparse_moe_kernel_count():
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
 
-    shared = kernels_of(lambda: block.shared_expert(x))
+    assert block.stacked is not None
     names = kernels_of(lambda: block(x))
-    assert len(names) == 6 + len(shared), names
+    assert len(names) == 6, names

@@ -25,6 +25,7 @@ VARIANTS = {
     "dense": TinySpec(),
     "moe": TinySpec(moe=True),
     "moe-fused": TinySpec(moe=True, fused_experts=True),
+    "moe-stacked-shared": TinySpec(moe=True, shared_expert_intermediate_size=32),  # merged: the shared expert as expert E
     "dense-tied": TinySpec(tied=True, seed=2),
 }
 PROMPTS = [[5], [17, 3, 200, 41], [9, 9, 120, 7, 66, 250, 1, 0, 31], [200 - 7 * i for i in range(15)], [i * 13 % 256 for i in range(23)]]

@@ -175,17 +175,18 @@ def gdn_chunked_prefill(state, q, k, v, g, beta, batch: SeqBatch, out=None):
     return gdn_chunk_ref.gdn_chunked_batched(state, q, k, v, g, beta, batch, out)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None, with_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> experts [N, top_k] and their renormalised softmax weights [N, top_k] in
-    dtype (default logits.dtype); softmax and renormalisation in fp32."""
+    dtype (default logits.dtype); softmax and renormalisation in fp32. with_shared: experts [N, top_k + 1]
+    with column top_k = E, the shared expert held as one more expert."""
     dtype = dtype or logits.dtype
     if use_triton(logits):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.route(logits, top_k, dtype)
+        return moe_triton.route(logits, top_k, dtype, with_shared)
     from freetoken.kernels import moe_ref
 
-    return moe_ref.route(logits, top_k, dtype)
+    return moe_ref.route(logits, top_k, dtype, with_shared)
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,6 +202,19 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     return moe_ref.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
 
 
+def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
+    """The block output with the shared expert held as expert E: x [N, H], experts [N, top_k + 1] (column
+    top_k = E), weights [N, top_k], gate_up [E + 1, 2I, H], down [E + 1, H, I], shared_gate [N, 1] ->
+    acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype, acc over the top_k routed experts."""
+    if use_triton(x):
+        from freetoken.kernels import moe_triton
+
+        return moe_triton.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)
+    from freetoken.kernels import moe_ref
+
+    return moe_ref.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)
+
+
 __all__ = [
     "SeqBatch",
     "add_zc_rms_norm",
@@ -214,6 +228,7 @@ __all__ = [
     "gdn_recurrent_batched",
     "linear",
     "moe_experts",
+    "moe_experts_with_shared",
     "moe_route",
     "norm_rope_store",
     "paged_attention_batched",

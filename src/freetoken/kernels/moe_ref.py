@@ -12,16 +12,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from freetoken.kernels import linear_ref
+from freetoken.kernels import linear_ref, norm_ref
 
 
 def route(
     logits: torch.Tensor,  # [N, E] router logits
     top_k: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # experts [N, top_k] int64, weights [N, top_k] dtype
-    """Softmax in fp32, top_k, weights renormalised then cast to dtype."""
+    with_shared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # experts [N, top_k (+ 1)] int64, weights [N, top_k] dtype
+    """Softmax in fp32, top_k, weights renormalised then cast to dtype; with_shared appends column E."""
     weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if with_shared:
+        experts = torch.cat([experts, torch.full_like(experts[:, :1], logits.shape[1])], dim=1)
     return experts, (weights / weights.sum(dim=-1, keepdim=True)).to(dtype)
 
 
@@ -50,3 +53,16 @@ def moe_experts(
     if shared is None:
         return acc
     return acc.to(x.dtype) + torch.sigmoid(shared_gate) * shared
+
+
+def moe_experts_with_shared(
+    x: torch.Tensor,  # [N, H]
+    experts: torch.Tensor,  # [N, top_k + 1] expert ids, column top_k = E (the shared expert)
+    weights: torch.Tensor,  # [N, top_k] renormalised router weights, x.dtype
+    gate_up: torch.Tensor,  # [E + 1, 2I, H] the routed experts, then the shared expert; gate rows first
+    down: torch.Tensor,  # [E + 1, H, I]
+    shared_gate: torch.Tensor,  # [N, 1] shared expert gate logit, x.dtype
+) -> torch.Tensor:  # [N, H] x.dtype
+    """The block output with expert E run as the dense shared MLP: acc.to(x.dtype) + sigmoid(shared_gate) * shared."""
+    shared = linear_ref.linear(norm_ref.silu_mul(linear_ref.linear(x, gate_up[-1])), down[-1])
+    return moe_experts(x, experts[:, :-1], weights, gate_up[:-1], down[:-1], 0, shared, shared_gate)

@@ -3,23 +3,29 @@
 Nothing here reads device data on the host, so the whole block can be captured in a CUDA graph:
 every buffer and grid size follows from N (tokens), top_k, E (router experts) and C (experts held by
 this rank). One SparseMoE forward on this path is five launches here (route, align, gate_up, down,
-combine) besides the linears of the merged router | shared-gate projection and the shared expert.
+combine) besides the linear of the merged router | shared-gate projection. When the block holds its
+shared expert as expert E of the stacked weights [E + 1, ...] (`moe_experts_with_shared`), the
+shared expert is one more routed row of every token and needs no launches of its own; otherwise
+(`moe_experts`) it runs as a dense MLP before the combine.
 
-Layout (T = N * top_k routed rows, flat row t = token * top_k + slot):
+Layout (R = top_k, or top_k + 1 with the shared expert; T = N * R rows, flat row t = token * R + column):
   route     `_route_kernel`, one program per token: softmax of the router logits in fp32, top_k by
             iterative max (ties to the lower expert id), weights renormalised in fp32 then rounded
-            to x.dtype -> experts [N, top_k] int32, weights [N, top_k].
+            to x.dtype -> experts [N, R] int32 (column top_k = E, the shared expert, when R = top_k + 1),
+            weights [N, top_k].
   align     `_align_kernel`, one program per held expert: counts every held expert's rows
             (`tl.histogram` over the keys, BLOCK_T at a time), takes its first row block from the
             prefix of ceil(count / BLOCK_M), then writes in ascending t the flat ids of its rows
             (`sorted_ids`, padding to its last block = T) and the expert of its blocks
             (`block_expert`); the surplus blocks up to min(C, T) + T // BLOCK_M + 1 get C (skipped).
   gate_up   `_gate_up_kernel`: per (row block, feature tile of I) the gate and up tiles of that
-            block's expert, then silu(gate) * up -> hidden [rows, I].
-  down      `_down_kernel`: hidden @ down[e]^T -> out [T, H], scattered back to flat rows.
-  combine   `_combine_kernel`: per token, its held experts in ascending id, weight * out added in
-            fp32 (each product rounded to x.dtype first, as the reference does). Given the shared
-            expert's output and gate logit it writes the block output in x.dtype,
+            block's expert, then silu(gate) * up -> hidden [rows, I], with the roundings of the
+            dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
+  down      `_down_kernel`: hidden @ down[e]^T -> out [T, H] in x.dtype, scattered back to flat rows.
+  combine   `_combine_kernel`: per token, its routed (first top_k) experts held here in ascending
+            id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
+            does). Given the shared expert's output (a tensor, or the token's row of `out` for
+            expert E) and gate logit it writes the block output in x.dtype,
             acc.to(dtype) + (sigmoid(g).to(dtype) * shared).to(dtype); otherwise the fp32 partial
             (expert parallel: the ranks' partials are added before the shared expert).
 
@@ -52,7 +58,7 @@ BLOCK_H = 128  # hidden features per combine program
 def _route_kernel(
     logits_ptr, experts_ptr, weights_ptr,
     E, stride_lm,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -70,9 +76,10 @@ def _route_kernel(
         w = tl.where(slots == k, best, w)
         p = tl.where(cols == e, -1.0, p)
     w = w / tl.sum(w, 0)
-    out = token * TOP_K + slots
-    tl.store(experts_ptr + out, ids, mask=slots < TOP_K)
-    tl.store(weights_ptr + out, w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(experts_ptr + token * ROW_K + slots, ids, mask=slots < TOP_K)
+    if ROW_K > TOP_K:  # the shared expert, held as expert E
+        tl.store(experts_ptr + token * ROW_K + TOP_K, E)
+    tl.store(weights_ptr + token * TOP_K + slots, w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
 
 
 @triton.jit(do_not_specialize=["T", "num_blocks"])
@@ -117,7 +124,7 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -127,7 +134,7 @@ def _gate_up_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
-    tokens = (ids // TOP_K).to(tl.int64)
+    tokens = (ids // ROW_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
@@ -143,7 +150,8 @@ def _gate_up_kernel(
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_gate = tl.dot(x, wg, acc_gate, input_precision="ieee")
         acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
-    # The rounding steps of the reference: gate/up to x.dtype, silu to x.dtype, product to x.dtype.
+    # The rounding steps of the reference (and of the dense MLP's linear + silu_mul): gate/up to
+    # x.dtype, silu to x.dtype, product to x.dtype.
     dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
@@ -186,14 +194,14 @@ def _combine_kernel(
     out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
     N, H, first, C,
     stride_om, stride_sm, stride_gm, stride_ym,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, TOP_K_POW2)
     big = 2147483647
     live = tokens < N
-    ids = tl.load(experts_ptr + tokens[:, None] * TOP_K + slots[None, :], mask=live[:, None] & (slots[None, :] < TOP_K), other=big).to(tl.int32)
+    ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=live[:, None] & (slots[None, :] < TOP_K), other=big).to(tl.int32)
     dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_TOK, BLOCK_H), dtype=tl.float32)
     prev = tl.full((BLOCK_TOK,), -1, tl.int32)
@@ -202,9 +210,9 @@ def _combine_kernel(
         slot = tl.sum(tl.where(ids == e[:, None], slots[None, :], 0), 1)
         prev = e
         held = live & (e >= first) & (e < first + C)
-        row = (tokens * TOP_K + slot).to(tl.int64)
+        row = (tokens * ROW_K + slot).to(tl.int64)
         y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
-        w = tl.load(weights_ptr + row, mask=held, other=0.0).to(tl.float32)
+        w = tl.load(weights_ptr + tokens * TOP_K + slot, mask=held, other=0.0).to(tl.float32)
         acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
     tokens = tokens.to(tl.int64)
     mask = live[:, None] & (cols[None, :] < H)
@@ -225,22 +233,25 @@ def route(
     logits: torch.Tensor,  # [N, E] router logits, unit column stride
     top_k: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # experts [N, top_k] int32, weights [N, top_k] dtype
-    """Softmax in fp32, top_k (descending, ties to the lower id), weights renormalised then cast to dtype."""
+    with_shared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # experts [N, top_k (+ 1)] int32, weights [N, top_k] dtype
+    """Softmax in fp32, top_k (descending, ties to the lower id), weights renormalised then cast to dtype.
+    with_shared: experts gets a column top_k = E, the shared expert held as one more expert."""
     n, num_experts = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    experts = torch.empty((n, top_k), dtype=torch.int32, device=logits.device)
+    row_k = top_k + int(with_shared)
+    experts = torch.empty((n, row_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((n, top_k), dtype=dtype, device=logits.device)
     if n:
         _route_kernel[(n,)](
             logits, experts, weights, num_experts, logits.stride(0),
-            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1,
+            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k, num_warps=1,
         )
     return experts, weights
 
 
 def align(experts: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts [N, top_k] global ids -> sorted_ids [blocks * BLOCK_M] (flat rows, T = padding), block_expert [blocks].
+    """experts [N, R] global ids -> sorted_ids [blocks * BLOCK_M] (flat rows, T = padding), block_expert [blocks].
 
     Only the rows of real blocks (block_expert < count) are written; the surplus blocks' rows are not read."""
     rows = experts.numel()
@@ -252,6 +263,66 @@ def align(experts: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, 
         BLOCK_T=BLOCK_T, BLOCK_C=triton.next_power_of_2(count), BLOCK_M=BLOCK_M, num_warps=4,
     )
     return sorted_ids, block_expert
+
+
+def _expert_rows(
+    x: torch.Tensor,  # [N, H]
+    experts: torch.Tensor,  # [N, R] global expert ids, contiguous
+    gate_up: torch.Tensor,  # [C, 2I, H] contiguous
+    down: torch.Tensor,  # [C, H, I] contiguous
+    first: int,
+) -> torch.Tensor:  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
+    """align, gate_up, down."""
+    n, hidden = x.shape
+    row_k = experts.shape[1]
+    count, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    rows = n * row_k
+    sorted_ids, block_expert = align(experts, first, count)
+    nb = block_expert.shape[0]
+    fp32 = x.dtype == torch.float32
+    hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+        x, gate_up, hidden_rows, sorted_ids, block_expert,
+        rows, hidden, inter, count,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
+        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
+        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES,
+    )
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
+        hidden_rows, down, out, sorted_ids, block_expert,
+        rows, hidden, inter, count,
+        hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
+        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES,
+    )
+    return out
+
+
+def _combine(
+    out: torch.Tensor,  # [N * R, H] expert rows
+    experts: torch.Tensor,  # [N, R], the first top_k columns routed
+    weights: torch.Tensor,  # [N, top_k] contiguous
+    first: int,
+    count: int,
+    shared: torch.Tensor | None,  # [N, H] unit column stride
+    shared_gate: torch.Tensor | None,  # [N, 1]
+    y: torch.Tensor,  # [N, H] result
+) -> torch.Tensor:
+    """Each token's weighted routed rows in fp32 into y (fp32), or with the gated shared expert (x.dtype)."""
+    n, hidden = y.shape
+    top_k = weights.shape[1]
+    with_shared = shared is not None
+    if not with_shared:
+        shared, shared_gate = y, y  # unused
+    _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
+        out, experts, weights, shared, shared_gate, y,
+        n, hidden, first, count,
+        out.stride(0), shared.stride(0), shared_gate.stride(0), y.stride(0),
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4,
+    )
+    return y
 
 
 def moe_experts(
@@ -266,45 +337,37 @@ def moe_experts(
 ) -> torch.Tensor:  # [N, H]: fp32 sum over the held experts of weight * expert(x); x.dtype block output with shared
     """Routed experts; given `shared` and `shared_gate`, acc.to(x.dtype) + sigmoid(shared_gate) * shared."""
     assert x.dtype == gate_up.dtype == down.dtype, f"moe_experts: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
-    n, hidden = x.shape
-    top_k = experts.shape[1]
-    count, two_i, _ = gate_up.shape
-    inter = two_i // 2
     with_shared = shared is not None
-    y = torch.empty((n, hidden), dtype=x.dtype if with_shared else torch.float32, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype if with_shared else torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    experts = experts.contiguous()
+    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), first)
+    if with_shared:
+        shared = shared if shared.stride(1) == 1 else shared.contiguous()
+    return _combine(out, experts, weights.contiguous(), first, gate_up.shape[0], shared, shared_gate, y)
+
+
+def moe_experts_with_shared(
+    x: torch.Tensor,  # [N, H]
+    experts: torch.Tensor,  # [N, top_k + 1] expert ids, column top_k = E (the shared expert)
+    weights: torch.Tensor,  # [N, top_k] renormalised router weights, x.dtype
+    gate_up: torch.Tensor,  # [E + 1, 2I, H] the routed experts, then the shared expert; gate rows first
+    down: torch.Tensor,  # [E + 1, H, I]
+    shared_gate: torch.Tensor,  # [N, 1] shared expert gate logit, x.dtype
+) -> torch.Tensor:  # [N, H] x.dtype
+    """The block output acc.to(x.dtype) + sigmoid(shared_gate) * shared, the shared expert run as expert E
+    of the grouped GEMMs (its row of `out` is `shared`); acc sums the top_k routed experts only."""
+    assert x.dtype == gate_up.dtype == down.dtype, f"moe_experts_with_shared: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
+    assert experts.shape[1] == weights.shape[1] + 1, f"moe_experts_with_shared: experts {tuple(experts.shape)}, weights {tuple(weights.shape)}"
+    n, hidden = x.shape
+    y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
-    experts, weights = experts.contiguous(), weights.contiguous()
-    rows = n * top_k
-    sorted_ids, block_expert = align(experts, first, count)
-    nb = block_expert.shape[0]
-    fp32 = x.dtype == torch.float32
-    hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
-        x, gate_up, hidden_rows, sorted_ids, block_expert,
-        rows, hidden, inter, count,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES,
-    )
-    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
-        hidden_rows, down, out, sorted_ids, block_expert,
-        rows, hidden, inter, count,
-        hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES,
-    )
-    if with_shared:
-        shared = shared if shared.stride(1) == 1 else shared.contiguous()
-    else:
-        shared, shared_gate = y, y  # unused
-    _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
-        out, experts, weights, shared, shared_gate, y,
-        n, hidden, first, count,
-        out.stride(0), shared.stride(0), shared_gate.stride(0), y.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4,
-    )
-    return y
+    experts = experts.contiguous()
+    row_k = experts.shape[1]
+    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), 0)
+    shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
+    return _combine(out, experts, weights.contiguous(), 0, gate_up.shape[0], shared, shared_gate, y)

@@ -4,8 +4,13 @@ Routing (`kernels.moe_route`) and the routed experts (`kernels.moe_experts`) are
 CUDA (no host sync, so the block can be captured in a CUDA graph) and torch on CPU, where the experts
 run one at a time. Either way a token's weighted expert outputs are added in fp32 in ascending
 expert id, so its result does not depend on which other tokens share the step. On the Triton path
-the router and the shared-expert gate are read as one [E + 1, H] weight once merged (layers/merge.py),
-and the experts' combine kernel also adds the gated shared expert (without expert parallelism).
+the router and the shared-expert gate are read as one [E + 1, H] weight once merged (layers/merge.py).
+Merged, without expert parallelism and with the shared expert as wide as a routed one, the shared
+expert is also stacked after the routed experts as expert E ([E + 1, 2I, H] and [E + 1, H, I]; the
+experts' and the shared MLP's parameters become views of them): every token is routed to it as one
+more row of the grouped GEMMs, and the combine adds it gated. A decode step's block is then six
+launches (merged gates linear, route, align, gate_up, down, combine). Otherwise the shared expert
+runs as a dense MLP and the combine adds its output. The torch path is unchanged by either.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
@@ -49,13 +54,17 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.parallel = parallel
         self.gates_weight: torch.Tensor | None = None  # [E + 1, H] = [router | shared gate] once merged
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # gate_up [E + 1, 2I, H], down [E + 1, H, I] once merged
 
     def merge_projections(self) -> None:
-        """Read the router and the shared-expert gate as one weight (on the Triton path)."""
+        """Read the router and the shared-expert gate as one weight, and stack the shared expert after
+        the routed ones when it is as wide and the experts are not split (on the Triton path)."""
         if self.gates_weight is None:
             from freetoken.layers.merge import merge_linears
 
             self.gates_weight = merge_linears([self.gate, self.shared_expert_gate])
+        if self.stacked is None and not self.parallel.is_parallel and self.shared_expert.down_proj.weight.shape[1] == self.experts.intermediate_size:
+            self.stacked = _stack_shared_expert(self.experts, self.shared_expert)
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, H] -> router [N, E], shared gate [N, 1]
         if self.gates_weight is not None and kernels.use_triton(x):
@@ -65,9 +74,27 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         router, shared_gate = self._gates(x)
+        if self.stacked is not None and kernels.use_triton(x):
+            experts, weights = kernels.moe_route(router, self.top_k, x.dtype, with_shared=True)  # [N, top_k + 1], [N, top_k]
+            return kernels.moe_experts_with_shared(x, experts, weights, *self.stacked, shared_gate)
         experts, weights = kernels.moe_route(router, self.top_k, x.dtype)  # [N, top_k]
         routed = (x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)
         if self.parallel.is_parallel:
             acc = self.parallel.all_reduce(kernels.moe_experts(*routed))  # [N, H] fp32
             return acc.to(x.dtype) + torch.sigmoid(shared_gate) * self.shared_expert(x)
         return kernels.moe_experts(*routed, self.shared_expert(x), shared_gate)
+
+
+def _stack_shared_expert(experts: FusedExperts, mlp: MLP) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E + 1, 2I, H] (gate rows first) and down [E + 1, H, I]: the experts, then the MLP as
+    expert E. The experts' and the MLP's parameters become views of them (names and shapes unchanged)."""
+    shared = mlp.gate_up_weight if mlp.gate_up_weight is not None else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    gate_up = torch.cat([experts.gate_up_proj.detach(), shared.detach()[None]])
+    down = torch.cat([experts.down_proj.detach(), mlp.down_proj.weight.detach()[None]])
+    count, inter = experts.count, experts.intermediate_size
+    view = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+    experts.gate_up_proj, experts.down_proj = view(gate_up[:count]), view(down[:count])
+    mlp.gate_proj.weight, mlp.up_proj.weight = view(gate_up[count, :inter]), view(gate_up[count, inter:])
+    mlp.down_proj.weight = view(down[count])
+    mlp.gate_up_weight = gate_up[count]
+    return gate_up, down
