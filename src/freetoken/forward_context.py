@@ -52,15 +52,15 @@ class LinearState:
 
 @dataclass
 class GDNStash:
-    """What the commit replays of a verify step, for all its rows.
+    """The verify step's recurrence inputs for all its rows, replayed by the commit.
 
     Rows keep the step's layout (each sequence's rows contiguous, at its row_start), so the commit
     reads the first accepted rows of each sequence in place.
     """
 
     conv_rows: torch.Tensor  # [N, C] raw pre-conv rows
-    inputs: tuple[torch.Tensor, ...]  # (q, k, v, g, beta) fp32, or the raw (a, b) [N, Hv] when `fused`
-    fused: bool = False  # the Triton path: one kernel replays convolution and recurrence from the raw rows
+    inputs: tuple[torch.Tensor, ...]  # (q, k, v, g, beta) fp32, or (conv_out, a, b) when `fused`
+    fused: bool = False  # the recurrence prepares its inputs itself (the Triton path)
 
 
 @dataclass

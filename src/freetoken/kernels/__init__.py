@@ -145,15 +145,6 @@ def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int,
     return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype)
 
 
-def gdn_conv_recurrent(state, windows, rows, weight, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32):
-    """causal_conv1d_batched and gdn_fused_recurrent in one kernel, with the same bits (Triton only):
-    the state pool [slots, Hv, Dk, Dv] and the window pool [slots, K-1, C] advance if write_state;
-    rows [N, C] raw, a, b [N, Hv]; see gdn_triton.gdn_conv_fused."""
-    from freetoken.kernels import gdn_triton
-
-    return gdn_triton.gdn_conv_fused(state, windows, rows, weight, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype)
-
-
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
     """Gated delta rule over the state pool [slots, Hv, Dk, Dv]; see batched.gdn_recurrent_batched."""
     if use_triton(q):
@@ -223,7 +214,6 @@ __all__ = [
     "causal_conv1d_batched",
     "gated_rms_norm",
     "gdn_chunked_prefill",
-    "gdn_conv_recurrent",
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
     "linear",

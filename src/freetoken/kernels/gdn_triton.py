@@ -5,18 +5,10 @@ One launch covers the whole batch: program (b, h, vb) loads the fp32 state tile
 rows in order, and stores the tile back only when `write_state` is set. Columns of the state are
 independent (the reductions run over Dk), so splitting Dv across programs changes no bits.
 
-Three forms: `gdn_recurrent` takes prepared q, k, v, g, beta; `gdn_fused` prepares them from the
-convolution's output and a, b (the recurrent rows of a prefill step); `gdn_conv_fused` also computes
-the short convolution from the raw rows and the window pool, and advances the window (decode,
-verify and the commit replay: one kernel per layer).
-
-Decode, verify (write_state=0, on the pools themselves: nothing is written) and the commit replay
+Decode, verify (write_state=0, on the pool itself: nothing is written) and the commit replay
 (write_output=0) are the same compiled kernel: the two flags are runtime arguments that are not
 specialised on, and neither guards anything the state update reads. A replayed row therefore
-updates the state exactly as decoding it did. In `gdn_conv_fused` a row's convolution reads only
-the K-1 raw rows before it (from the window or from the step's rows) and the row itself, with the
-taps in a fixed order, so it too is the same wherever the row is computed, and the window after a
-replay is the one decoding leaves: the last K-1 raw rows.
+updates the state exactly as decoding it did.
 """
 
 from __future__ import annotations
@@ -166,9 +158,8 @@ def gdn_fused(
 ) -> torch.Tensor | None:
     """The gated delta rule with its input preparation fused in (l2-norm and scale of q and k, value
     head j reading key head j // (Hv / Hk), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias))
-    -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False. It serves the recurrent rows
-    of a prefill step whose other rows take the chunked rule (the convolution already ran over all
-    rows), and gives them the bits gdn_conv_fused would."""
+    -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False. One kernel serves decode,
+    verify (write_state=False) and the commit replay (compute_output=False)."""
     assert state.dtype == torch.float32 and state.stride(-1) == 1
     conv_out = _inner_contiguous(conv_out)
     a, b = _inner_contiguous(a), _inner_contiguous(b)
@@ -186,157 +177,5 @@ def gdn_fused(
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
-    )
-    return out
-
-
-@triton.jit
-def _conv_silu(win, x_ptr, w_ptr, start, t, cs, mc, win_t, x_row, w_c, KW: tl.constexpr):
-    """Row t of silu(causal conv) for channels cs, rounded to the rows' dtype and back to fp32:
-    the bits `conv_triton._conv_kernel` stores, by the same taps in the same order."""
-    acc = tl.zeros(cs.shape, dtype=tl.float32)
-    for j in tl.static_range(KW):
-        p = t + j  # index into window ++ rows
-        from_win = tl.load(win + p * win_t + cs, mask=mc & (p < KW - 1), other=0.0)
-        from_rows = tl.load(x_ptr + (start + p - (KW - 1)) * x_row + cs, mask=mc & (p >= KW - 1), other=0.0)
-        xj = tl.where(p < KW - 1, from_win, from_rows).to(tl.float32)
-        wj = tl.load(w_ptr + cs * w_c + j, mask=mc, other=0.0).to(tl.float32)
-        if j == 0:
-            acc = xj * wj
-        else:
-            acc = acc + xj * wj
-    y = acc * tl.sigmoid(acc)
-    return tl.where(mc, y.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0)
-
-
-@triton.jit
-def _shift_window(win, x_ptr, start, count, cs, mc, win_t, x_row, KW: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Overwrite channels cs of the window with the last K-1 entries of window ++ rows."""
-    js = tl.arange(0, BLOCK_W)
-    p = count + js
-    keep = (js < KW - 1)[:, None] & mc[None, :]
-    from_win = tl.load(win + p[:, None] * win_t + cs[None, :], mask=keep & (p < KW - 1)[:, None], other=0.0)
-    from_rows = tl.load(x_ptr + (start + p - (KW - 1))[:, None] * x_row + cs[None, :], mask=keep & (p >= KW - 1)[:, None], other=0.0)
-    new = tl.where((p < KW - 1)[:, None], from_win, from_rows.to(from_win.dtype))
-    tl.debug_barrier()
-    tl.store(win + js[:, None] * win_t + cs[None, :], new, mask=keep)
-
-
-@triton.jit(do_not_specialize=["write_state", "write_output"])
-def _gdn_conv_kernel(
-    state_ptr, win_ptr, x_ptr, w_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr, tickets_ptr,
-    starts_ptr, counts_ptr, slots_ptr,
-    Dk, Dv, key_dim, rep, scale, write_state, write_output,
-    s_slot, s_head, s_k, win_slot, win_t, x_row, w_c, a_row, b_row, o_row, o_head,
-    KW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Short convolution + gated delta rule. Program (b, h, vb) convolves the channels it reads:
-    q and k of key head h // rep, and its BLOCK_V value channels.
-
-    Window update (write_state): the program that owns value block (h, vb) is the only reader of
-    those value channels, so it overwrites them itself. The q/k channels of a key head are read by
-    all rep * cdiv(Dv, BLOCK_V) programs of its value heads; each takes a ticket (an acq_rel atomic
-    on tickets[b, kh]) after its last window read, and the last to arrive, when every reader is
-    done, writes them and puts the ticket back to 0 for the next launch. Verify takes no tickets."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    start = tl.load(starts_ptr + b).to(tl.int64)
-    count = tl.load(counts_ptr + b)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    kh = h // rep
-    ks = tl.arange(0, BLOCK_K)
-    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    mk = ks < Dk
-    mv = vs < Dv
-    cq = kh * Dk + ks  # conv channels of q, k and v
-    ck = key_dim + cq
-    cv = 2 * key_dim + h * Dv + vs
-    win = win_ptr + slot * win_slot
-    s_ptrs = state_ptr + slot * s_slot + h * s_head + ks[:, None] * s_k + vs[None, :]
-    s_mask = mk[:, None] & mv[None, :]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
-    neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    for t in range(count):
-        row = start + t
-        q = _conv_silu(win, x_ptr, w_ptr, start, t, cq, mk, win_t, x_row, w_c, KW)
-        k = _conv_silu(win, x_ptr, w_ptr, start, t, ck, mk, win_t, x_row, w_c, KW)
-        v = _conv_silu(win, x_ptr, w_ptr, start, t, cv, mv, win_t, x_row, w_c, KW)
-        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
-        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
-        beta = tl.sigmoid(tl.load(b_ptr + row * b_row + h).to(tl.float32))
-        z = tl.load(a_ptr + row * a_row + h).to(tl.float32) + dt_bias
-        softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-        g = neg_a * softplus
-        s = s * tl.exp(g)
-        kv_mem = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
-        delta = (v - kv_mem) * beta
-        s = s + k[:, None] * delta[None, :]
-        if write_output != 0:
-            o = tl.sum(s * q[:, None], axis=0)
-            tl.store(o_ptr + row * o_row + h * o_head + vs, o.to(o_ptr.dtype.element_ty), mask=mv)
-    if write_state != 0:
-        tl.store(s_ptrs, s, mask=s_mask)
-        _shift_window(win, x_ptr, start, count, cv, mv, win_t, x_row, KW, BLOCK_W)
-        tl.debug_barrier()  # every thread's window reads are done before the ticket
-        ticket = tickets_ptr + b * tl.num_programs(1) + kh
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == rep * tl.num_programs(2) - 1:
-            _shift_window(win, x_ptr, start, count, cq, mk, win_t, x_row, KW, BLOCK_W)
-            _shift_window(win, x_ptr, start, count, ck, mk, win_t, x_row, KW, BLOCK_W)
-            tl.atomic_xchg(ticket, 0, sem="relaxed")
-
-
-_tickets: dict[torch.device, torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # outgrown ticket buffers, kept alive for CUDA graphs captured with them
-
-
-def _ticket_buffer(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least n tickets; every launch leaves its tickets at 0 again."""
-    buf = _tickets.get(device)
-    if buf is None or buf.numel() < n:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), "ticket buffer first needed inside a CUDA graph capture"
-        if buf is not None:
-            _retired.append(buf)
-        buf = _tickets[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    return buf
-
-
-def gdn_conv_fused(
-    state: torch.Tensor,  # [slots, Hv, Dk, Dv] fp32 pool
-    windows: torch.Tensor,  # [slots, K-1, C] raw pre-conv rows, model dtype
-    x: torch.Tensor,  # [N, C] raw rows [q | k | v] before the convolution, model dtype
-    weight: torch.Tensor,  # [C, K]
-    a: torch.Tensor,  # [N, Hv] raw decay input
-    b: torch.Tensor,  # [N, Hv] raw beta input
-    a_log: torch.Tensor,  # [Hv]
-    dt_bias: torch.Tensor,  # [Hv]
-    num_k_heads: int,
-    batch: SeqBatch,
-    write_state: bool = True,
-    compute_output: bool = True,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor | None:
-    """causal_conv1d and gdn_fused in one kernel, with the same bits: silu(conv) of each row over its
-    sequence's window, rounded to x.dtype, feeds the recurrence; with write_state the state and the
-    window advance -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False."""
-    assert state.dtype == torch.float32 and state.stride(-1) == 1 and windows.stride(-1) == 1
-    x, weight = _inner_contiguous(x), _inner_contiguous(weight)
-    a, b = _inner_contiguous(a), _inner_contiguous(b)
-    _, num_heads, dk, dv = state.shape
-    n, kw = x.shape[0], weight.shape[1]
-    out = torch.empty((n, num_heads, dv), dtype=out_dtype, device=x.device) if compute_output else None
-    if batch.num_seqs == 0 or n == 0:
-        return out
-    o = out if out is not None else state  # never written when compute_output is False
-    tickets = _ticket_buffer(x.device, batch.num_seqs * num_heads)
-    block_v = min(32, triton.next_power_of_2(dv))
-    grid = (batch.num_seqs, num_heads, triton.cdiv(dv, block_v))
-    _gdn_conv_kernel[grid](
-        state, windows, x, weight, a, b, a_log, dt_bias, o, tickets, batch.starts, batch.counts, batch.slots,
-        dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
-        state.stride(0), state.stride(1), state.stride(2), windows.stride(0), windows.stride(1), x.stride(0), weight.stride(0),
-        a.stride(0), b.stride(0), o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        KW=kw, BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
     )
     return out

@@ -7,10 +7,7 @@ with z; out_proj. Value head j reads key head j // (Hv / Hk).
 State handling (DESIGN.md invariant 4): in EXTEND mode the conv window and recurrent state advance
 in place; in VERIFY mode they are only read and each row's inputs are stashed; `commit` replays the
 accepted rows through the same batched recurrence and convolution. Each op covers all sequences of
-the step in one call (one kernel launch on the GPU). On the Triton path decode, verify and the
-commit replay run convolution and recurrence as one kernel (`kernels.gdn_conv_recurrent`), and a
-verify stashes only the raw rows (mixed_qkv, a, b); a prefill step with chunked rows convolves all
-its rows first, and its recurrent rows get the same bits from `kernels.gdn_fused_recurrent`.
+the step in one call (one kernel launch on the GPU).
 
 Prefill: in EXTEND mode whole CHUNK-aligned chunks of a prompt run the chunked form of the rule
 (`kernels.gdn_chunked_prefill`, equal to the recurrence up to fp32 rounding); the prompt's last
@@ -181,16 +178,15 @@ class GatedDeltaNet(nn.Module):
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
-        verify = ctx.mode is ForwardMode.VERIFY
-        if kernels.use_triton(x) and (verify or split_extend(batch)[0] is None):
-            core = kernels.gdn_conv_recurrent(recurrent_pool, conv_pool, mixed_qkv, conv_weight, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=not verify, out_dtype=x.dtype)
-            if verify:
-                ctx.stash[self.state_index] = GDNStash(mixed_qkv, (a, b), fused=True)
-        elif verify:
+        if ctx.mode is ForwardMode.VERIFY:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
-            q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
-            core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
-            ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
+            if kernels.use_triton(x):
+                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
+                ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
+            else:
+                q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+                core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
+                ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch)
             core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
@@ -202,9 +198,8 @@ class GatedDeltaNet(nn.Module):
         stash = ctx.stash[self.state_index]
         state = ctx.linear_state
         recurrent, conv = state.recurrent[self.state_index], state.conv[self.state_index]
-        weight = self.conv1d.weight[:, 0, :]
         if stash.fused:
-            kernels.gdn_conv_recurrent(recurrent, conv, stash.conv_rows, weight, *stash.inputs, self.A_log, self.dt_bias, self.num_k_heads, replay, compute_output=False)
+            kernels.gdn_fused_recurrent(recurrent, *stash.inputs, self.A_log, self.dt_bias, self.num_k_heads, replay, compute_output=False)
         else:
             kernels.gdn_recurrent_batched(recurrent, *stash.inputs, replay, compute_output=False)
-            kernels.causal_conv1d_batched(conv, stash.conv_rows, weight, replay)
+        kernels.causal_conv1d_batched(conv, stash.conv_rows, self.conv1d.weight[:, 0, :], replay)
