@@ -18,26 +18,9 @@ import torch
 
 from freetoken.kernels import attention_triton as at
 from freetoken.kernels.batched import SeqBatch
+from graph_timing import graph_us
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 16, 4, 256, 8, 16
-
-
-def graph_us(calls) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) * 1e3 / (10 * len(calls))
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import torch
 import triton
 
 from freetoken.kernels import linear_triton as lt
+from graph_timing import copy_bandwidth, graph_us
 
 SHAPES_9B = {  # name: (N, K, calls per decode step) of the 9B shape, projections merged as the runtime merges them
     "gdn_in": (8192 + 4096 + 64, 4096, 24),
@@ -41,34 +42,6 @@ SHAPES_35B = {  # the Qwen3.5-35B-A3B shape's dense linears
 }
 L2_BYTES = 64 << 20
 CALLS_PER_GRAPH = 16
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return 2 * a.numel() / (ms * 1e-3)
-
-
-def graph_us(fn_calls) -> float:
-    """Mean GPU microseconds per call of a graph replaying fn_calls (a list of zero-argument calls)."""
-    for f in fn_calls:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fn_calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 10
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) * 1e3 / (reps * len(fn_calls))
 
 
 def configs(n: int, k: int, quick: bool):

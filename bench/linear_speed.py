@@ -20,6 +20,7 @@ import torch
 import triton
 
 from freetoken.kernels import linear_triton as lt
+from graph_timing import copy_bandwidth
 
 SHAPES = {  # name: (N, K) of the 9B shape, projections merged as the runtime merges them
     "gdn_in (qkv|z|b|a)": (8192 + 4096 + 64, 4096),
@@ -37,13 +38,6 @@ SHAPES = {  # name: (N, K) of the 9B shape, projections merged as the runtime me
     "35b: router": (257, 2048),
     "35b: lm_head": (248320, 2048),
 }
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def main() -> None:

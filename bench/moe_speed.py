@@ -16,17 +16,11 @@ import itertools
 import json
 
 import torch
-import triton
 
 from freetoken.kernels import moe_triton as mt
+from graph_timing import copy_bandwidth, graph_us
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50) * 1e-3)
 
 
 CALLS_PER_GRAPH = 16
@@ -41,21 +35,7 @@ def time_tokens(n: int, gate_up: torch.Tensor, down: torch.Tensor, bw: float) ->
         weights = torch.full((n, TOP_K), 1.0 / TOP_K, device="cuda", dtype=torch.bfloat16)
         calls.append((x, experts, weights))
         active += experts.unique().numel()
-    run = lambda: [mt.moe_experts(x, e, w, gate_up, down) for x, e, w in calls]  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 10
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(stop) * 1e3 / (reps * CALLS_PER_GRAPH)
+    us = graph_us([lambda x=x, e=e, w=w: mt.moe_experts(x, e, w, gate_up, down) for x, e, w in calls])
     weight_bytes = active / CALLS_PER_GRAPH * 3 * HIDDEN * INTER * 2
     return {"tokens": n, "us": round(us, 2), "active_experts": active / CALLS_PER_GRAPH, "fraction_of_copy_bw": round(weight_bytes / (us * 1e-6) / bw, 3)}
 

@@ -150,7 +150,11 @@ def graph_forward_ms(engine, rows_per_request: int, repeats: int = 50) -> float 
     entries = [g for (_, rows, _, _), g in graphs.graphs.items() if rows == rows_per_request]
     if not entries:
         return None
-    graph = entries[0].graph
+    return replay_ms(entries[0].graph, repeats)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+    """Mean GPU milliseconds of one replay of a captured graph (after one untimed replay)."""
     graph.replay()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -36,22 +36,36 @@ from freetoken.forward_context import ForwardContext, ForwardMode
 from freetoken.kernels.batched import SeqBatch, seq_batch
 
 
-class _Staging:
-    """The per-step inputs of one graph: a pinned host buffer, its device twin, typed views of both."""
+class StagingBuffer:
+    """Integer inputs of a CUDA graph: one host buffer (pinned on CUDA), its device twin, and typed views
+    of both, one per field (name, dtype, shape). Fill the host views with numpy, then `upload`."""
 
-    def __init__(self, num_seqs: int, rows_per_seq: int, max_blocks: int, device: torch.device):
-        n = num_seqs * rows_per_seq
-        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
-                  ("slots", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)), ("block_table", torch.int32, (num_seqs, max_blocks))]
+    def __init__(self, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device):
         nbytes = [int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in fields]
-        starts = [sum(-(-b // 8) * 8 for b in nbytes[:i]) for i in range(len(fields) + 1)]  # 8-byte aligned
-        self.host = torch.zeros(starts[-1], dtype=torch.uint8).pin_memory()
+        starts = [sum(-(-b // 16) * 16 for b in nbytes[:i]) for i in range(len(fields) + 1)]  # 16-byte aligned
+        self.host = torch.zeros(starts[-1], dtype=torch.uint8)
+        if device.type == "cuda":
+            self.host = self.host.pin_memory()
         self.device = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
         self.on_host: dict[str, np.ndarray] = {}
         self.on_device: dict[str, torch.Tensor] = {}
         for (name, dtype, shape), start, size in zip(fields, starts, nbytes):
             self.on_host[name] = self.host[start : start + size].view(dtype).view(shape).numpy()
             self.on_device[name] = self.device[start : start + size].view(dtype).view(shape)
+
+    def upload(self) -> None:
+        """Queue one copy of the host buffer to the device. The host buffer may be rewritten once the
+        graph that reads it has been waited for (its result read back)."""
+        self.device.copy_(self.host, non_blocking=True)
+
+
+class _Staging(StagingBuffer):
+    """The per-step inputs of one decode/verify graph."""
+
+    def __init__(self, num_seqs: int, rows_per_seq: int, max_blocks: int, device: torch.device):
+        n = num_seqs * rows_per_seq
+        super().__init__([("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
+                          ("slots", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)), ("block_table", torch.int32, (num_seqs, max_blocks))], device)
         self.rows_per_seq = rows_per_seq
 
     def load(self, groups: list[RowGroup], kv_pool: KVPool) -> None:
@@ -68,7 +82,7 @@ class _Staging:
             h["context_lens"][rows] = range(start + 1, start + r + 1)
             h["slots"][i] = -1 if group.state_slot is None else group.state_slot
             h["block_table"][i, : len(group.block_table)] = group.block_table
-        self.device.copy_(self.host, non_blocking=True)
+        self.upload()
 
 
 @dataclass

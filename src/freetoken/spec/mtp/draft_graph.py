@@ -19,11 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from freetoken import sampling
-from freetoken.engine.cuda_graph import DecodeGraphs
+from freetoken.engine.cuda_graph import DecodeGraphs, StagingBuffer
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.request import Request
 from freetoken.forward_context import ForwardContext, ForwardMode, SeqRows
@@ -31,26 +30,13 @@ from freetoken.kernels.batched import SeqBatch
 from freetoken.sampling import SamplingParams
 
 
-class ChainInputs:
-    """The integer inputs of one graph's chained rows: a host buffer (pinned on CUDA), its device twin,
-    and typed views of both. Entry (s, i) of a [k-1, B] field is request i's row at chained step s+1."""
+class ChainInputs(StagingBuffer):
+    """The integer inputs of one graph's chained rows. Entry (s, i) of a [k-1, B] field is request i's
+    row at chained step s+1."""
 
     def __init__(self, num_seqs: int, steps: int, max_blocks: int, device: torch.device):
-        fields = [("positions", torch.int64, (steps, num_seqs)), ("slot_mapping", torch.int64, (steps, num_seqs)),
-                  ("context_lens", torch.int32, (steps, num_seqs)), ("block_table", torch.int32, (num_seqs, max_blocks))]
-        sizes = [int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in fields]
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + -(-n // 16) * 16)  # 16-byte aligned
-        self.host = torch.zeros(offsets[-1], dtype=torch.uint8)
-        if device.type == "cuda":
-            self.host = self.host.pin_memory()
-        self.device = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
-        self.on_host: dict[str, np.ndarray] = {}
-        self.on_device: dict[str, torch.Tensor] = {}
-        for (name, dtype, shape), start, n in zip(fields, offsets, sizes):
-            self.on_host[name] = self.host[start : start + n].view(dtype).view(shape).numpy()
-            self.on_device[name] = self.device[start : start + n].view(dtype).view(shape)
+        super().__init__([("positions", torch.int64, (steps, num_seqs)), ("slot_mapping", torch.int64, (steps, num_seqs)),
+                          ("context_lens", torch.int32, (steps, num_seqs)), ("block_table", torch.int32, (num_seqs, max_blocks))], device)
 
     def load(self, tables: Sequence[list[int]], positions: Sequence[int], kv_pool: KVPool) -> None:
         """Fill the host views for requests whose last observed row is at positions[i]; queue one copy
@@ -62,7 +48,7 @@ class ChainInputs:
             h["slot_mapping"][:, i] = kv_pool.slots(table, p + 1, p + 1 + steps)
             h["context_lens"][:, i] = range(p + 2, p + 2 + steps)
             h["block_table"][i, : len(table)] = table
-        self.device.copy_(self.host, non_blocking=True)
+        self.upload()
 
 
 @dataclass
