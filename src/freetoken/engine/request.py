@@ -53,4 +53,4 @@ class Request:
 
     @property
     def last_token_id(self) -> int:
-        return self.token_ids[-1]
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

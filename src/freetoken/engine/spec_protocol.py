@@ -56,13 +56,17 @@ class NoSpec:
 
     def __init__(self, model=None, kv_pool=None, num_draft_tokens: int = 0, device=None, origin: str | None = None, cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         assert num_draft_tokens == 0
+        self._empty: dict[int, Proposal] = {}  # batch size -> its empty proposal, built once
 
     def observe(self, rows: Sequence[CommittedRows]) -> None:
         """Nothing to draft."""
 
     def propose(self, requests: Sequence[Request]) -> Proposal:
         """An empty [B, 0] proposal."""
-        return Proposal(tokens=torch.zeros((len(requests), 0), dtype=torch.long), probs=None)
+        b = len(requests)
+        if b not in self._empty:
+            self._empty[b] = Proposal(tokens=torch.zeros((b, 0), dtype=torch.long), probs=None)
+        return self._empty[b]
 
     def release(self, request: Request) -> None:
         """No state to drop."""
