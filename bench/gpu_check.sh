@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything the GPU issue records, in one run on a CUDA machine with the project installed:
+# the cuda-marked tests (8 pytest workers: compiling the Triton kernels dominates their time), GPU
+# parity in bf16 for both fixture families, and the bench runs. Results go to ${OUT:-bench/results/gpu-check}.
+#
+#     bash bench/gpu_check.sh [FIXTURES_DIR]      # FIXTURES_DIR defaults to ../shared/fixtures
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu-check}
+FIXTURES=${1:-../shared/fixtures}
+mkdir -p "$OUT"
+commit=$(git rev-parse HEAD 2>/dev/null || echo "${FREETOKEN_COMMIT:-unknown}")
+
+python3 -m pytest tests -m cuda -n 8 -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu-tests.log" 2>&1
+echo "# python3 -m pytest tests -m cuda -n 8 (commit $commit): exit $?" >> "$OUT/gpu-tests.log"
+
+for family in qwen35_dense qwen35_moe; do
+    tmp=$(mktemp -d)
+    freetoken convert "$FIXTURES/$family/hf" "$tmp/$family" > /dev/null
+    freetoken parity "$tmp/$family" --device cuda --dtype bfloat16 -k 1 -k 2 -k 3 -k 4 -n 64 --json "$OUT/parity-gpu-bf16-$family.json" > "$OUT/parity-$family.log" 2>&1
+    echo "# freetoken parity $family (commit $commit): exit $?" >> "$OUT/parity-$family.log"
+    rm -rf "$tmp"
+done
+
+freetoken bench --shape qwen3.5-9b -b 1 --spec oracle -k 3 --corrupt-rate 0 --corrupt-rate 0.3 --out "$OUT/qwen3.5-9b-b1-oracle-k3.json"
+freetoken bench --shape qwen3.5-9b -b 8 -b 64 --out "$OUT/qwen3.5-9b-b8-b64.json"
+freetoken bench --shape qwen3.5-35b-a3b -b 1 --out "$OUT/qwen3.5-35b-a3b-b1.json"
