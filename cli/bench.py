@@ -1,7 +1,9 @@
-"""`freetoken bench --shape qwen3.5-9b`: decode speed of a random-weight model of a real shape.
+"""`freetoken bench [MODEL | --shape qwen3.5-9b]`: decode speed next to the memory-bandwidth floor.
 
-With `--tensor-parallel N` every batch size runs on N worker processes; rank 0's timings are
-reported and written.
+Without MODEL the model is a random-weight model of a real shape (no download); with MODEL it is
+that checkpoint (unified, HF or GGUF), so `--spec mtp` measures its own MTP head's acceptance. With
+`--tensor-parallel N` every batch size runs on N worker processes; rank 0's timings are reported and
+written.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, MemFractionOpt, T
 
 
 def bench(
-    shape: Annotated[str, typer.Option("--shape", help="qwen3.5-9b | qwen3.5-35b-a3b")] = "qwen3.5-9b",
+    model: Annotated[Optional[str], typer.Argument(metavar="MODEL", help="Checkpoint to benchmark (unified, HF or GGUF); omit for a random-weight model of --shape.", show_default=False)] = None,
+    shape: Annotated[Optional[str], typer.Option("--shape", help="qwen3.5-9b (default without MODEL) | qwen3.5-35b-a3b | tiny", show_default=False)] = None,
     batch_size: Annotated[list[int], typer.Option("--batch-size", "-b", min=1, help="Batch sizes (repeatable).")] = [1],  # noqa: B006
     prompt_len: Annotated[int, typer.Option("--prompt-len", min=1)] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1)] = 64,
@@ -30,19 +33,27 @@ def bench(
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay decode and verify steps as CUDA graphs (CUDA, Triton path).")] = True,
     mem_fraction: MemFractionOpt = 0.0,
 ) -> None:
-    """Benchmark decode on a random-weight model of a real shape; reports the bandwidth floor."""
+    """Benchmark decode on a checkpoint or a random-weight model of a real shape; reports the bandwidth floor."""
     from rich.table import Table
 
     from freetoken.bench import SHAPES, run_bench, write_results
     from freetoken.errors import FreetokenError
 
-    if shape not in SHAPES:
+    if model is not None and shape is not None:
+        raise FreetokenError("give MODEL or --shape, not both")
+    if model is None:
+        shape = shape or "qwen3.5-9b"
+    elif tensor_parallel > 1:
+        from freetoken.llm import resolve_checkpoint
+
+        model = str(resolve_checkpoint(model))  # converted once, before the workers start
+    if model is None and shape not in SHAPES:
         raise FreetokenError(f"unknown --shape {shape!r} (choose from {', '.join(SHAPES)})")
     if spec not in ("none", "mtp", "oracle"):
         raise FreetokenError(f"unknown --spec {spec!r} (none, mtp, oracle)")
     if spec != "none" and num_draft_tokens < 1:
         raise FreetokenError(f"--spec {spec} needs --num-draft-tokens >= 1")
-    kwargs = dict(prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
+    kwargs = dict(model=model, prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
                   corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction)
     if tensor_parallel == 1:
         results = [r for b in batch_size for r in run_bench(shape, batch_size=b, **kwargs)]
@@ -51,7 +62,8 @@ def bench(
 
         results = launch(bench_rank, tensor_parallel, shape, list(batch_size), kwargs, device=device)[0]
     tp = f", tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else ""
-    table = Table(title=f"freetoken bench {shape} ({dtype.value}, {device}{tp})")
+    label = results[0].shape if results else shape
+    table = Table(title=f"freetoken bench {label} ({dtype.value}, {device}{tp})")
     for col in ("batch", "spec", "decode tok/s", "step ms", "floor step ms", "fraction of floor", "accept/pos", "tok/step", "speedup", "step cost", "forward ms", "forward cost"):
         table.add_column(col)
     for r in results:
@@ -61,12 +73,12 @@ def bench(
                       f"{r.speedup_vs_no_spec:.2f}x" if r.speedup_vs_no_spec else "-", f"{r.step_cost_vs_decode:.2f}x" if r.step_cost_vs_decode else "-",
                       f"{r.forward_ms:.2f}" if r.forward_ms else "-", f"{r.forward_cost_vs_decode:.2f}x" if r.forward_cost_vs_decode else "-")
     console.print(table)
-    path = out or Path("bench/results") / f"{shape}-{spec}.json"
+    path = out or Path("bench/results") / f"{label}-{spec}.json"
     write_results(path, "freetoken " + " ".join(sys.argv[1:]), results)
     console.print(f"wrote {path}")
 
 
-def bench_rank(parallel, shape: str, batch_sizes: list[int], kwargs: dict) -> list:
+def bench_rank(parallel, shape: str | None, batch_sizes: list[int], kwargs: dict) -> list:
     """One rank's share of the benchmark: every rank runs every batch size in step."""
     from freetoken.bench import run_bench
 

@@ -1,4 +1,4 @@
-"""Decode benchmarks on random-weight models of real shapes (no download needed).
+"""Decode benchmarks on random-weight models of real shapes (no download needed), or on a checkpoint.
 
 `run_bench` times prefill and decode separately and reports decode tokens/s next to the
 memory-bandwidth floor of a decode step: every active weight byte read once, plus the KV cache and
@@ -193,18 +193,40 @@ def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, de
     return requests, prefill_s, decode_s
 
 
-def run_bench(shape: str, *, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none", num_draft_tokens: int = 0,
-              corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0,
+def checkpoint_model(model_path: str | Path, device: str, dtype: torch.dtype, with_mtp: bool, parallel: ParallelContext = SINGLE):
+    """A checkpoint's model (HF and GGUF sources converted once into the cache) -> (model, label)."""
+    from freetoken.checkpoint.reader import UnifiedCheckpoint
+    from freetoken.errors import FreetokenError
+    from freetoken.llm import resolve_checkpoint
+    from freetoken.models.loader import load_model
+
+    path = resolve_checkpoint(model_path)
+    ck = UnifiedCheckpoint.open(path)
+    if with_mtp and "mtp" not in ck.draft_heads:
+        raise FreetokenError("the checkpoint has no MTP head, so --spec mtp cannot run; use --spec none or oracle", path)
+    model = load_model(ck, ck.family, ck.config, with_mtp=with_mtp, device=device, dtype=dtype, origin=str(path), parallel=parallel)
+    return model, Path(str(model_path)).name
+
+
+def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none",
+              num_draft_tokens: int = 0, corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0,
               parallel: ParallelContext = SINGLE, cuda_graphs: bool = True, mem_fraction: float = 0.0) -> list[BenchResult]:
-    """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts (on this rank)."""
+    """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts (on this rank).
+
+    The model is a random-weight model of a bench shape, or (given `model`) a checkpoint's; the
+    prompts are seeded random token ids either way."""
     from freetoken.engine.engine import LLMEngine
 
-    cfg = SHAPES[shape]
     if parallel.is_parallel and device.startswith("cuda"):
         device = f"cuda:{parallel.rank}"
     base_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_num_batched_tokens=max(prompt_len, 256),
                                max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction, tensor_parallel=parallel.world_size)
-    model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
+    if model is None:
+        cfg = SHAPES[shape]
+        model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
+    else:
+        model, shape = checkpoint_model(model, device, base_config.torch_dtype, spec == "mtp", parallel)
+        cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
