@@ -144,3 +144,26 @@ def test_decode_graph_buckets_and_padding_rows():
     padded = graphs._padded(real)
     assert padded[:2] == real and len(padded) == 4
     assert all(g.block_table == [graphs.pad_block] * 2 and g.state_slot == graphs.pad_slot and g.start == 0 and len(g.token_ids) == 5 for g in padded[2:])
+
+
+def test_graph_staging_holds_what_build_context_builds():
+    """The decode graphs' staging buffer, after load and upload, holds the step inputs the eager path
+    builds with build_context (token ids, positions, KV slots), the context lengths of SeqBatch, the
+    state slots and the padded block tables."""
+    from freetoken.engine.cuda_graph import _Staging
+    from freetoken.engine.kv_pool import KVPool
+    from freetoken.engine.runner import RowGroup, build_context
+    from freetoken.forward_context import ForwardMode
+    from freetoken.kernels.batched import seq_batch
+
+    kv = KVPool(1, 12, 4, 1, 8, torch.float32, "cpu")
+    groups = [RowGroup([3, 7, 1], 2, 9, [11, 12, 13]), RowGroup([5], 0, 0, [21, 22, 23])]
+    staging = _Staging(2, 3, 5, torch.device("cpu"))
+    staging.load(groups, kv)
+    ctx = build_context(groups, ForwardMode.VERIFY, kv, None, torch.device("cpu"))
+    d = staging.on_device
+    assert torch.equal(d["input_ids"], ctx.input_ids) and torch.equal(d["positions"], ctx.positions)
+    assert torch.equal(d["slot_mapping"], ctx.slot_mapping)
+    assert torch.equal(d["context_lens"], seq_batch(ctx).context_lens)
+    assert d["slots"].tolist() == [2, 0]
+    assert d["block_table"][0, :3].tolist() == [3, 7, 1] and d["block_table"][1, :1].tolist() == [5]
