@@ -193,21 +193,6 @@ def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, de
     return requests, prefill_s, decode_s
 
 
-def checkpoint_model(model_path: str | Path, device: str, dtype: torch.dtype, with_mtp: bool, parallel: ParallelContext = SINGLE):
-    """A checkpoint's model (HF and GGUF sources converted once into the cache) -> (model, label)."""
-    from freetoken.checkpoint.reader import UnifiedCheckpoint
-    from freetoken.errors import FreetokenError
-    from freetoken.llm import resolve_checkpoint
-    from freetoken.models.loader import load_model
-
-    path = resolve_checkpoint(model_path)
-    ck = UnifiedCheckpoint.open(path)
-    if with_mtp and "mtp" not in ck.draft_heads:
-        raise FreetokenError("the checkpoint has no MTP head, so --spec mtp cannot run; use --spec none or oracle", path)
-    model = load_model(ck, ck.family, ck.config, with_mtp=with_mtp, device=device, dtype=dtype, origin=str(path), parallel=parallel)
-    return model, Path(str(model_path)).name
-
-
 def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none",
               num_draft_tokens: int = 0, corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0,
               parallel: ParallelContext = SINGLE, cuda_graphs: bool = True, mem_fraction: float = 0.0) -> list[BenchResult]:
@@ -225,7 +210,10 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
         cfg = SHAPES[shape]
         model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
     else:
-        model, shape = checkpoint_model(model, device, base_config.torch_dtype, spec == "mtp", parallel)
+        from freetoken.llm import LLM
+
+        shape = Path(str(model)).name
+        model = LLM(model, replace(base_config, spec=spec, num_draft_tokens=num_draft_tokens), parallel=parallel).model
         cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]

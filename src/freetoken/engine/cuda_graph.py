@@ -151,9 +151,9 @@ class DecodeGraphs:
 
     def commit(self, entry: GraphStep, accepted_rows: torch.Tensor) -> None:
         """Replay the commit graph of a sampled verify; accepted_rows [B] on the device for the real
-        requests (the padding requests commit one row into their own slot)."""
+        requests. The padding requests keep whatever row counts their entries hold (all within the
+        step's rows) and commit them into their own slot."""
         entry.accepted_rows[: accepted_rows.shape[0]].copy_(accepted_rows)
-        entry.accepted_rows[accepted_rows.shape[0] :].fill_(1)
         entry.commit_graph.replay()
 
     # -- capture -------------------------------------------------------------------------------------
@@ -187,21 +187,12 @@ class DecodeGraphs:
             return hidden, logits, torch.stack([verified.accepted_len, verified.next_token])
 
         restore = self._saver(batch)
-        self._warm_up(step, restore)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, logits, result = step()
+        graph, (hidden, logits, result) = record_graph(step, self.pool, restore)
         self.pool = graph.pool()
-        restore()
         assert seq_batch(ctx) is batch
         entry = GraphStep(graph, staging, ctx, batch, hidden, logits, result, accepted_rows=accepted_rows)
         if replay is not None and not greedy:
-            self._warm_up(lambda: self.model.commit(ctx, replay), restore)
-            entry.commit_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(entry.commit_graph, pool=self.pool):
-                self.model.commit(ctx, replay)
-            self.pool = entry.commit_graph.pool()
-            restore()
+            entry.commit_graph, _ = record_graph(lambda: self.model.commit(ctx, replay), self.pool, restore)
         return entry
 
     def _saver(self, batch: SeqBatch):
@@ -218,13 +209,19 @@ class DecodeGraphs:
 
         return restore
 
-    @staticmethod
-    def _warm_up(fn, restore) -> None:
-        """Run fn twice on a side stream (compiles every kernel, then settles the allocator)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-                restore()
-        torch.cuda.current_stream().wait_stream(stream)
+
+def record_graph(fn, pool, restore=lambda: None):
+    """Run fn twice on a side stream (compiles every kernel, then settles the allocator), calling
+    restore after each run, then capture fn into a CUDA graph in memory pool `pool` (None: a new one)
+    -> (graph, fn's output of the capture, rewritten by every replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+            restore()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out

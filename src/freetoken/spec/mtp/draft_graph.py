@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from freetoken import sampling
-from freetoken.engine.cuda_graph import DecodeGraphs, StagingBuffer
+from freetoken.engine.cuda_graph import DecodeGraphs, StagingBuffer, record_graph
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.request import Request
 from freetoken.forward_context import ForwardContext, ForwardMode, SeqRows
@@ -78,7 +78,7 @@ class DraftGraphs:
     def covers(self, requests: Sequence[Request]) -> bool:
         """Whether a graph computes these drafts: every request greedy without penalties (the draft is
         the plain argmax) and every block table within the padded width."""
-        return all(r.params.is_greedy and not r.params.has_penalties and len(r.block_table) <= self.max_blocks for r in requests)
+        return all(r.params.is_plain_greedy and len(r.block_table) <= self.max_blocks for r in requests)
 
     @torch.no_grad()
     def run(self, hidden: Sequence[torch.Tensor], tables: Sequence[list[int]], positions: Sequence[int]) -> torch.Tensor:
@@ -126,16 +126,7 @@ class DraftGraphs:
         return _Graph(graph, inputs, static_hidden, drafts, ctxs)
 
     def _record(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm fn up twice on a side stream (compiles every kernel, settles the allocator), then
-        capture it into this object's memory pool -> (graph, fn's output)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
+        """fn captured into this object's memory pool (shared by its graphs) -> (graph, fn's output)."""
+        graph, out = record_graph(fn, self.pool)
         self.pool = graph.pool()
         return graph, out
