@@ -33,13 +33,9 @@ def main() -> None:
     caches = [(torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
                torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)) for _ in range(LAYERS)]
     table = torch.arange(max_blocks, dtype=torch.int32, device="cuda")
-    shipped = (at.PARTITION, getattr(at, "NUM_WARPS", 4))
+    shipped = (at.PARTITION, at.NUM_WARPS)
     for (partition, warps), rows in itertools.product(itertools.product((32, 64, 128), (2, 4, 8)), (1, args.k + 1)):
-        at.PARTITION, at.BLOCK_N = partition, partition
-        if hasattr(at, "NUM_WARPS"):
-            at.NUM_WARPS = warps
-        elif warps != 4:
-            continue
+        at.PARTITION, at.BLOCK_N, at.NUM_WARPS = partition, partition, warps
         batch = SeqBatch((0,), (rows,), (args.context - rows,), (-1,), (table,), torch.device("cuda"))
         q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         gate = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

@@ -62,7 +62,7 @@ def bench(
 
         results = launch(bench_rank, tensor_parallel, shape, list(batch_size), kwargs, device=device)[0]
     tp = f", tensor-parallel {tensor_parallel}" if tensor_parallel > 1 else ""
-    label = results[0].shape if results else shape
+    label = results[0].shape  # the shape, or the checkpoint's name
     table = Table(title=f"freetoken bench {label} ({dtype.value}, {device}{tp})")
     for col in ("batch", "spec", "decode tok/s", "step ms", "floor step ms", "fraction of floor", "accept/pos", "tok/step", "speedup", "step cost", "forward ms", "forward cost"):
         table.add_column(col)
