@@ -46,8 +46,8 @@ from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16  # routed rows per GEMM tile; each expert's rows are padded to a multiple of it
 # GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
-GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 16, 64, 4, 3  # chosen by bench/moe_speed.py on the H200
-DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 32, 64, 4, 4
+GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5  # chosen by bench/moe_speed.py on the H200
+DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
