@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.batched import SeqBatch
+from freetoken.kernels import pdl
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_N = 64
@@ -54,8 +55,9 @@ def _partition_kernel(
     group_ptr, row_seq_ptr, ctx_len_ptr, table_ptr,
     G, D, block_size, scale, num_parts, row0,
     q_row, q_head, kv_slot, kv_head, table_row,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     g = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
@@ -107,8 +109,9 @@ def _partition_kernel(
 def _merge_kernel(
     m_ptr, l_ptr, acc_ptr, gate_ptr, o_ptr, ctx_len_ptr,
     D, num_parts, gate_row, gate_head, o_row, o_head,
-    HAS_GATE: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr,
+    HAS_GATE: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     r = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
     ds = tl.arange(0, D_PAD)
@@ -171,12 +174,12 @@ def paged_attention(
             q, k_cache, v_cache, m_ws, l_ws, acc_ws, groups[g0:], batch.row_seq, batch.context_lens, table,
             group, d, block_size, scale, num_parts, r0,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
-            G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, num_warps=NUM_WARPS,
+            G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
         _merge_kernel[(r1 - r0, num_q_heads)](
             m_ws, l_ws, acc_ws, g[r0:], out[r0:], batch.context_lens[r0:],
             d, num_parts, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, num_warps=NUM_WARPS,
+            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
     return out
 

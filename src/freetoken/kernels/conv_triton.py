@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
 
@@ -23,8 +23,9 @@ def _conv_kernel(
     starts_ptr, counts_ptr, slots_ptr,
     C, write_state,
     win_slot, win_t, x_row, w_c, y_row,
-    KW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    KW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     b = tl.program_id(0)
     cb = tl.program_id(1)
     start = tl.load(starts_ptr + b).to(tl.int64)
@@ -80,6 +81,6 @@ def causal_conv1d(
         windows, rows, weight, out, batch.starts, batch.counts, batch.slots,
         c, int(write_state),
         windows.stride(0), windows.stride(1), rows.stride(0), weight.stride(0), out.stride(0),
-        KW=kw, BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), BLOCK_C=block_c, num_warps=4,
+        KW=kw, BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), BLOCK_C=block_c, num_warps=4, **pdl.launch_kwargs(),
     )
     return out

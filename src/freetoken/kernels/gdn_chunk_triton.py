@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
 CHUNK = 64
@@ -38,8 +38,9 @@ def _prep_kernel(
     Dk, Dv,
     q_row, q_head, k_row, k_head, v_row, v_head, g_row, beta_row,
     w_row, w_head, u_row, u_head, a_row, a_head,
-    C: tl.constexpr, LOG2_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    C: tl.constexpr, LOG2_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     c = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(chunk_starts_ptr + c).to(tl.int64)
@@ -96,8 +97,9 @@ def _chain_kernel(
     Dk, Dv,
     s_slot, s_head, s_k,  # state strides (Dv contiguous)
     q_row, q_head, k_row, k_head, g_row, w_row, w_head, u_row, u_head, a_row, a_head, o_row, o_head,
-    C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -184,7 +186,7 @@ def gdn_chunked(
         dk, dv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
-        C=CHUNK, LOG2_C=CHUNK.bit_length() - 1, BLOCK_K=_block(dk, 64), BLOCK_V=_block(dv, 64), num_warps=4, num_stages=1,
+        C=CHUNK, LOG2_C=CHUNK.bit_length() - 1, BLOCK_K=_block(dk, 64), BLOCK_V=_block(dv, 64), num_warps=4, num_stages=1, **pdl.launch_kwargs(),
     )
     block_v = _block(dv, 32)
     _chain_kernel[(batch.num_seqs, num_heads, triton.cdiv(dv, block_v))](
@@ -193,6 +195,6 @@ def gdn_chunked(
         state.stride(0), state.stride(1), state.stride(2),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1),
         u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1), out.stride(0), out.stride(1),
-        C=CHUNK, BLOCK_K=_block(dk, 1 << 30), BLOCK_V=block_v, num_warps=4, num_stages=1,
+        C=CHUNK, BLOCK_K=_block(dk, 1 << 30), BLOCK_V=block_v, num_warps=4, num_stages=1, **pdl.launch_kwargs(),
     )
     return out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
 
@@ -28,8 +28,9 @@ def _gdn_kernel(
     Dk, Dv, write_state, write_output,
     s_slot, s_head, s_k,  # state strides (Dv contiguous)
     q_row, q_head, k_row, k_head, v_row, v_head, g_row, beta_row, o_row, o_head,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -91,7 +92,7 @@ def gdn_recurrent(
         dk, dv, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4, **pdl.launch_kwargs(),
     )
     return out
 
@@ -102,8 +103,9 @@ def _gdn_fused_kernel(
     starts_ptr, counts_ptr, slots_ptr,
     Dk, Dv, key_dim, rep, scale, write_state, write_output,
     s_slot, s_head, s_k, x_row, a_row, b_row, o_row, o_head,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -176,6 +178,6 @@ def gdn_fused(
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4, **pdl.launch_kwargs(),
     )
     return out

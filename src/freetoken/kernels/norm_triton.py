@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 
 _ACTS = {"silu": 0, "sigmoid": 1}
 
@@ -25,8 +25,9 @@ def _rms_norm_kernel(
     z_heads, z_head_stride,  # z row r is at (r // z_heads) * stride_z + (r % z_heads) * z_head_stride
     MODE: tl.constexpr,  # 0 zero-centred, 1 plain, 2 gated
     ACT: tl.constexpr,  # 0 silu, 1 sigmoid (gated only)
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -62,7 +63,7 @@ def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: 
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, z2, weight.contiguous(), y, d, x2.stride(0), z2.stride(0), y.stride(0), eps, z_heads, z_head_stride,
-            MODE=mode, ACT=act, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
+            MODE=mode, ACT=act, BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8, **pdl.launch_kwargs(),
         )
     return y.view(x.shape)
 
@@ -87,8 +88,9 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def _add_zc_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
     D, stride_x, stride_r, stride_s, stride_y, eps,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -112,13 +114,14 @@ def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     if n:
         _add_zc_rms_norm_kernel[(n,)](
             x, residual, weight.contiguous(), s, y, d, x.stride(0), residual.stride(0), s.stride(0), y.stride(0), eps,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
+            BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8, **pdl.launch_kwargs(),
         )
     return s, y
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -137,5 +140,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty((n, i), dtype=gate_up.dtype, device=gate_up.device)
     if n:
         block = min(1024, triton.next_power_of_2(i))
-        _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up, y, i, gate_up.stride(0), y.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(n, triton.cdiv(i, block))](gate_up, y, i, gate_up.stride(0), y.stride(0), BLOCK=block, num_warps=4, **pdl.launch_kwargs())
     return y

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 
 
 @triton.jit
@@ -23,8 +23,9 @@ def _norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     Hq, D, eps,
     q_row, q_head, k_row, k_head, v_row, v_head, qo_row, qo_head, cache_slot, cache_head,
-    ROT: tl.constexpr, D_PAD: tl.constexpr,
+    ROT: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     ds = tl.arange(0, D_PAD)
@@ -91,6 +92,6 @@ def norm_rope_store(
         hq, d, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1),
-        ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=4,
+        ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=4, **pdl.launch_kwargs(),
     )
     return q_out

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton  # noqa: F401  (interpreter fix-up)
+from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.sampling_ref import cdf_bits
 
 ARGMAX_BLOCK = 1024
@@ -31,8 +31,9 @@ CDF_BLOCK = 1024
 def _argmax_kernel(
     x_ptr, idx_ptr, val_out_ptr, idx_out_ptr,
     N, stride_x, stride_idx,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -72,13 +73,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         return idx.view(0)
     chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
     block = min(ARGMAX_BLOCK, chunk)
-    _argmax_kernel[(r, chunks)](x, idx, vals, idx, v, x.stride(0), 0, CHUNK=chunk, BLOCK=block, HAS_IDX=False, num_warps=4)
+    _argmax_kernel[(r, chunks)](x, idx, vals, idx, v, x.stride(0), 0, CHUNK=chunk, BLOCK=block, HAS_IDX=False, num_warps=4, **pdl.launch_kwargs())
     if chunks == 1:
         return idx.view(r)
     out_val = torch.empty(r, 1, dtype=torch.float32, device=x.device)
     out_idx = torch.empty(r, 1, dtype=torch.int64, device=x.device)
     width = triton.next_power_of_2(chunks)
-    _argmax_kernel[(r, 1)](vals, idx, out_val, out_idx, chunks, chunks, chunks, CHUNK=width, BLOCK=width, HAS_IDX=True, num_warps=4)
+    _argmax_kernel[(r, 1)](vals, idx, out_val, out_idx, chunks, chunks, chunks, CHUNK=width, BLOCK=width, HAS_IDX=True, num_warps=4, **pdl.launch_kwargs())
     return out_idx.view(r)
 
 
@@ -88,7 +89,8 @@ def _quantize(w, scale):
 
 
 @triton.jit
-def _inverse_cdf_kernel(w_ptr, u_ptr, out_ptr, V, stride_w, BITS, BLOCK: tl.constexpr):
+def _inverse_cdf_kernel(w_ptr, u_ptr, out_ptr, V, stride_w, BITS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     base = w_ptr + row * stride_w
     lanes = tl.arange(0, BLOCK)
@@ -132,5 +134,5 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     u = u.to(device=weights.device, dtype=torch.float64).contiguous()
     block = min(CDF_BLOCK, triton.next_power_of_2(v))
-    _inverse_cdf_kernel[(r,)](weights, u, out, v, weights.stride(0), cdf_bits(v), BLOCK=block, num_warps=4)
+    _inverse_cdf_kernel[(r,)](weights, u, out, v, weights.stride(0), cdf_bits(v), BLOCK=block, num_warps=4, **pdl.launch_kwargs())
     return out

@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels, on Hopper and later GPUs.
+
+A decode step is a few hundred short kernels; between two of them the GPU pays the next kernel's
+launch. With PDL every kernel is launched with the programmatic-stream-serialization attribute and
+starts with `sync(PDL)`: `griddepcontrol.wait` (the previous kernel has finished and its writes are
+visible) and then `griddepcontrol.launch_dependents` (the next kernel may be launched now). So the
+launch of kernel i + 1 overlaps the work of kernel i while every kernel still starts its work after
+the previous one ended, as without PDL: no result changes. Stream capture keeps the programmatic
+edges in a CUDA graph. A kernel that follows a non-PDL kernel (a torch op) simply waits for it.
+
+Off under the interpreter, on GPUs before sm_90, and with FREETOKEN_PDL=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from freetoken.kernels.compat_triton import INTERPRET
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether kernels launch with PDL on this process's CUDA device."""
+    if INTERPRET or os.environ.get("FREETOKEN_PDL", "1") == "0":
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def launch_kwargs() -> dict[str, bool]:
+    """The launch arguments of a kernel that starts with `sync(PDL)`."""
+    on = enabled()
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def sync(PDL: tl.constexpr):
+    """The first statement of every kernel: wait for the previous kernel, then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
