@@ -2,7 +2,8 @@
 
 Oracle: the same engine with graphs off. Greedy outputs must be identical token for token, with and
 without MTP speculative decoding, in bf16, and spec must still equal no-spec with graphs on (the
-verify and its commit both replayed as graphs), for the dense and the MoE family.
+verify and its commit both replayed as graphs), for the dense and the MoE family. Overlapped greedy
+decode (engine.py) gives the tokens of overlap off, with graphs and without.
 """
 
 from __future__ import annotations
@@ -68,3 +69,35 @@ def test_shrinking_batches_run_at_bucket_sizes(fixture_unified):
         if graphs:
             assert sorted({key[0] for key in engine.graphs.graphs}) == [1, 2, 4, 8]
     assert outputs[True] == outputs[False]
+
+
+def _overlap_run(model, prompts, params, graphs: bool, overlap: bool):
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, cuda_graphs=graphs, overlap=overlap, max_model_len=256)
+    engine = LLMEngine(model, config)
+    requests = engine.generate(prompts, params)
+    assert (engine.stats.overlapped_steps > 0) == overlap
+    assert engine.stats.generated_tokens == sum(len(r.output_token_ids) for r in requests)
+    if graphs:
+        assert engine.graphs is not None and engine.graphs.graphs, "no graph was captured"
+    return [(r.output_token_ids, r.finish_reason) for r in requests]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_overlap_equals_no_overlap(fixture_unified, batch):
+    """Greedy decode steps launched before the previous one is read back, their input tokens fed back
+    on the device (inside the graphs, or gathered eagerly), give the tokens and finish reasons of
+    overlap off. One request stops mid-run on a stop token (its next step is launched in vain); with 3
+    requests another ends on its length, so the batch shrinks through the buckets 4, 2, 1 and those
+    graphs are captured while a step is in flight."""
+    model = _model(fixture_unified, "qwen35_dense")
+    prompts = PROMPTS[:batch]
+    free = _overlap_run(model, prompts, [SamplingParams(max_new_tokens=40, ignore_eos=True)] * batch, graphs=False, overlap=False)
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True) for _ in prompts]
+    params[0] = SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=(free[0][0][12],))
+    if batch == 3:
+        params[2] = SamplingParams(max_new_tokens=17, ignore_eos=True)
+    expected = _overlap_run(model, prompts, params, graphs=False, overlap=False)
+    assert expected[0][1] == "stop" and len(expected[0][0]) < 40
+    assert _overlap_run(model, prompts, params, graphs=True, overlap=True) == expected
+    assert _overlap_run(model, prompts, params, graphs=True, overlap=False) == expected
+    assert _overlap_run(model, prompts, params, graphs=False, overlap=True) == expected

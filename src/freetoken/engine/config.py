@@ -21,6 +21,7 @@ class EngineConfig:
     tensor_parallel: int = 1  # processes sharing the model (one per GPU); see freetoken.distributed
     prefill_align: int = 64  # prompts are cut into prefill pieces at multiples of this (the chunked GDN rule's chunk)
     cuda_graphs: bool = True  # replay decode/verify forwards as CUDA graphs where supported (dense, CUDA, Triton)
+    overlap: bool = True  # greedy decode without drafts: launch step n+1 before reading step n's tokens back (engine.py)
 
     def __post_init__(self):
         from freetoken.errors import FreetokenError

@@ -5,10 +5,11 @@ captured once and replayed with new inputs. Batch sizes are rounded up to bucket
 multiples of 8 up to max_num_seqs): the padding requests' rows read and write only a KV block and
 a GDN state slot reserved for them, their results are ignored, and since every op is row-invariant
 the real rows get the bits they would get in a batch of their own size. The per-step inputs (token ids, positions, KV slots,
-state slots, context lengths, block tables) live in one staging buffer: the host fills its pinned
-twin with numpy and one asynchronous copy moves it to the device, where the captured kernels read
-them. A replay computes exactly what the eager forward would (same kernels, same launch shapes).
-Capture needs the Triton path (no host syncs).
+state slots, context lengths, block tables) live in one staging buffer: the host fills one of its
+two pinned twins (in turn, so it can fill the next step's while this step's copy is still queued)
+with numpy and one asynchronous copy moves it to the device, where the captured kernels read them.
+A replay computes exactly what the eager forward would (same kernels, same launch shapes). Capture
+needs the Triton path (no host syncs).
 
 Greedy batches (every request greedy, no penalties) capture the whole step: forward, lm_head, the
 greedy verify (argmax, accepted length, next token) and, for a verify, the commit of the accepted
@@ -16,6 +17,13 @@ rows into the GDN state. The host then reads back one [2, B] tensor per step and
 on the device. Other batches capture forward and lm_head; the sampler runs eagerly, and a verify
 comes with a second graph for its commit, whose accepted row counts come from a static device
 buffer filled from the sampler's result on the device (no host round trip).
+
+Greedy one-row graphs (decode without drafts) feed their tokens forward for the engine's overlap
+(engine.py): they end by writing their next tokens to `last_tokens`, one device buffer shared by
+all of them (batch order), and start by replacing the input token of each row whose `fed_back_rows`
+staging entry is j >= 0 with last_tokens[j]. So the engine launches step n+1 before reading step n
+back, with step n's tokens as inputs; nothing else writes last_tokens between the two replays (a
+capture in between restores it after its warm-up runs, as it restores the GDN state).
 
 The eager warm-up before a capture runs the real step on the real pools; the GDN state of the
 batch's slots is saved before and restored after, so the step that follows sees untouched state.
@@ -37,26 +45,43 @@ from freetoken.kernels.batched import SeqBatch, seq_batch
 
 
 class StagingBuffer:
-    """Integer inputs of a CUDA graph: one host buffer (pinned on CUDA), its device twin, and typed views
-    of both, one per field (name, dtype, shape). Fill the host views with numpy, then `upload`."""
+    """Integer inputs of a CUDA graph: two host buffers (pinned on CUDA) filled in turn, one device
+    buffer, and typed views of them, one per field (name, dtype, shape). Fill the host views
+    (`on_host`) with numpy, then `upload`.
+
+    Two host buffers let the host fill step n+1's inputs while step n's copy may still be queued
+    behind the step before it (the engine launches a greedy decode step before reading back the
+    previous one). A host buffer is handed out again only after its last copy has run (a CUDA event
+    recorded behind the copy); with at most one step in flight that wait is already over."""
 
     def __init__(self, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device):
         nbytes = [int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in fields]
         starts = [sum(-(-b // 16) * 16 for b in nbytes[:i]) for i in range(len(fields) + 1)]  # 16-byte aligned
-        self.host = torch.zeros(starts[-1], dtype=torch.uint8)
-        if device.type == "cuda":
-            self.host = self.host.pin_memory()
+        cuda = device.type == "cuda"
+        self.hosts = [torch.zeros(starts[-1], dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]  # recorded behind each host buffer's last copy
+        self.turn = 0  # the host buffer the next fill writes
         self.device = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
-        self.on_host: dict[str, np.ndarray] = {}
+        self.host_views: list[dict[str, np.ndarray]] = [{} for _ in range(2)]
         self.on_device: dict[str, torch.Tensor] = {}
         for (name, dtype, shape), start, size in zip(fields, starts, nbytes):
-            self.on_host[name] = self.host[start : start + size].view(dtype).view(shape).numpy()
+            for host, views in zip(self.hosts, self.host_views):
+                views[name] = host[start : start + size].view(dtype).view(shape).numpy()
             self.on_device[name] = self.device[start : start + size].view(dtype).view(shape)
 
+    @property
+    def on_host(self) -> dict[str, np.ndarray]:
+        """The views of the host buffer whose turn it is, once its previous copy has run."""
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()
+        return self.host_views[self.turn]
+
     def upload(self) -> None:
-        """Queue one copy of the host buffer to the device. The host buffer may be rewritten once the
-        graph that reads it has been waited for (its result read back)."""
-        self.device.copy_(self.host, non_blocking=True)
+        """Queue one copy of the host buffer just filled to the device; the next fill takes the other one."""
+        self.device.copy_(self.hosts[self.turn], non_blocking=True)
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].record()
+        self.turn ^= 1
 
 
 class _Staging(StagingBuffer):
@@ -65,15 +90,20 @@ class _Staging(StagingBuffer):
     def __init__(self, num_seqs: int, rows_per_seq: int, max_blocks: int, device: torch.device):
         n = num_seqs * rows_per_seq
         super().__init__([("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
-                          ("slots", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)), ("block_table", torch.int32, (num_seqs, max_blocks))], device)
+                          ("slots", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)), ("block_table", torch.int32, (num_seqs, max_blocks)),
+                          ("fed_back_rows", torch.int64, (n,))], device)
         self.rows_per_seq = rows_per_seq
 
-    def load(self, groups: list[RowGroup], kv_pool: KVPool) -> None:
-        """Write the groups' per-step values to the host buffer and queue one copy to the device.
+    def load(self, groups: list[RowGroup], kv_pool: KVPool, fed_back_rows: list[int] | None = None) -> None:
+        """Write the groups' per-step values to a host buffer and queue one copy to the device.
 
-        The host buffer is rewritten only after the engine has read back the step's result, which
-        the stream orders after this copy."""
+        fed_back_rows (one-row groups only): for each group, the row of the previous greedy step whose
+        next token is its input (DecodeGraphs.last_tokens), or -1 for its own token id; None: all -1."""
         h, r = self.on_host, self.rows_per_seq
+        h["fed_back_rows"][:] = -1
+        if fed_back_rows is not None:
+            assert r == 1
+            h["fed_back_rows"][: len(fed_back_rows)] = fed_back_rows
         for i, group in enumerate(groups):
             rows, start = slice(i * r, (i + 1) * r), group.start
             h["input_ids"][rows] = group.token_ids
@@ -83,6 +113,11 @@ class _Staging(StagingBuffer):
             h["slots"][i] = -1 if group.state_slot is None else group.state_slot
             h["block_table"][i, : len(group.block_table)] = group.block_table
         self.upload()
+
+
+def take_fed_back(input_ids: torch.Tensor, fed_back_rows: torch.Tensor, last_tokens: torch.Tensor) -> None:
+    """In place: input_ids[i] = last_tokens[fed_back_rows[i]] where fed_back_rows[i] >= 0 (all on the device)."""
+    input_ids.copy_(torch.where(fed_back_rows >= 0, last_tokens.index_select(0, fed_back_rows.clamp(min=0)), input_ids))
 
 
 @dataclass
@@ -118,6 +153,7 @@ class DecodeGraphs:
         self.pad_slot = state_pool.reserve_slot() if state_pool is not None else None
         self.graphs: dict[tuple[int, int, ForwardMode, bool], GraphStep] = {}
         self.pool = None
+        self.last_tokens = torch.zeros(max(self.buckets), dtype=torch.int64, device=device)  # greedy one-row steps' next tokens, batch order
 
     def bucket(self, num_seqs: int) -> int:
         """The captured batch size a batch of num_seqs requests runs at."""
@@ -137,15 +173,18 @@ class DecodeGraphs:
         probe = torch.empty(1, device=device)
         return device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
 
-    def run(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool) -> GraphStep:
+    def run(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None = None) -> GraphStep:
         """Replay the step of these uniform row groups (captured on first use); read its outputs from the
-        result: the groups' rows come first, then the padding rows up to the bucket."""
+        result: the groups' rows come first, then the padding rows up to the bucket.
+
+        fed_back_rows (greedy one-row steps): group i's input token is the next token of row
+        fed_back_rows[i] of the greedy one-row step replayed just before this one, taken on the device."""
         groups = self._padded(groups)
         key = (len(groups), len(groups[0].token_ids), mode, greedy)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(groups, mode, greedy)
-        entry.staging.load(groups, self.kv_pool)
+            entry = self.graphs[key] = self._capture(groups, mode, greedy, fed_back_rows)
+        entry.staging.load(groups, self.kv_pool, fed_back_rows)
         entry.graph.replay()
         return entry
 
@@ -157,11 +196,11 @@ class DecodeGraphs:
         entry.commit_graph.replay()
 
     # -- capture -------------------------------------------------------------------------------------
-    def _capture(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool) -> GraphStep:
+    def _capture(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None) -> GraphStep:
         num_seqs, rows = len(groups), len(groups[0].token_ids)
         device = self.device
         staging = _Staging(num_seqs, rows, self.max_blocks, device)
-        staging.load(groups, self.kv_pool)
+        staging.load(groups, self.kv_pool, fed_back_rows)  # the warm-up runs the real step
         first = build_context(groups, mode, self.kv_pool, self.state_pool, device)
         views = staging.on_device
         ctx = replace(first, input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"], stash={})
@@ -175,12 +214,18 @@ class DecodeGraphs:
             replay = batch.accepted(list(batch.num_rows))
             replay.__dict__.update(starts=batch.starts, slots=batch.slots, counts=accepted_rows)
 
+        feeds_back = greedy and rows == 1  # reads and writes last_tokens
+
         def step():
+            if feeds_back:
+                take_fed_back(views["input_ids"], views["fed_back_rows"], self.last_tokens)
             hidden = self.model(ctx)
             logits = self.model.compute_logits(hidden)
             if not greedy:
                 return hidden, logits, None
             verified = sampling.greedy_verify(logits.view(num_seqs, rows, -1), ctx.input_ids.view(num_seqs, rows)[:, 1:])
+            if feeds_back:
+                self.last_tokens[:num_seqs].copy_(verified.next_token)
             if replay is not None:
                 accepted_rows.copy_(verified.accepted_len + 1)
                 self.model.commit(ctx, replay)
@@ -196,16 +241,19 @@ class DecodeGraphs:
         return entry
 
     def _saver(self, batch: SeqBatch):
-        """A function that puts the GDN state of the batch's slots back as it is now."""
+        """A function that puts the GDN state of the batch's slots and last_tokens back as they are now
+        (a capture may come while the step whose tokens it feeds back is in flight)."""
+        last_tokens = self.last_tokens.clone()
         state = self.state_pool.state if self.state_pool is not None else None
-        if state is None:
-            return lambda: None
-        slots = batch.slots.long().clone()
-        saved = (state.conv[:, slots].clone(), state.recurrent[:, slots].clone())
+        if state is not None:
+            slots = batch.slots.long().clone()
+            saved = (state.conv[:, slots].clone(), state.recurrent[:, slots].clone())
 
         def restore() -> None:
-            state.conv[:, slots] = saved[0]
-            state.recurrent[:, slots] = saved[1]
+            self.last_tokens.copy_(last_tokens)
+            if state is not None:
+                state.conv[:, slots] = saved[0]
+                state.recurrent[:, slots] = saved[1]
 
         return restore
 

@@ -3,11 +3,30 @@
 One step = schedule -> (prefill chunks | propose drafts, verify k+1 rows per request, accept,
 commit) -> hand the committed rows to the spec method. Shaped after nano-vllm's LLMEngine, with the
 decode step written as gpt-fast's speculative loop.
+
+Overlap (EngineConfig.overlap). A decode step without drafts whose requests are all greedy without
+penalties is launched without waiting for its tokens (`_launch`): each request gets a PENDING output
+token, its new row counts as cached, and the step's next tokens are copied to the host
+asynchronously. The next step() first launches the decode step after it if that step is known
+without those tokens (`_follow_up`: the same running requests less those that end by length, nobody
+admitted, no preemption), its input tokens taken on the device from the step in flight; only then
+does it read the step in flight back (`_resolve`): its tokens replace the PENDING ones, and stop
+tokens and length limits end requests exactly as `_decode` does. The GPU thus runs step n+1 while
+the host does step n's bookkeeping. The forward and the greedy pick are `_decode`'s, so the tokens
+are the same bits. A request that stops at step n on a stop token has a row in step n+1: that row's
+token is never read, its PENDING token is dropped, and its KV row and GDN state writes land in the
+blocks and the slot it frees, which later users overwrite on the same stream after step n+1. When
+the next step is not known that way (a request waits for a seat, the pool is short, a prefill, a
+sampled request, drafts), the step in flight is read back first and the next one is scheduled as
+usual, so scheduler.schedule() never sees a PENDING token. Requests are returned as finished by the
+step() call after the one that launched their last step. StepStats.decode_steps counts every
+launched step, including one whose rows all belong to requests that stopped just before it;
+generated_tokens counts the tokens in the outputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -17,7 +36,7 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.cuda_graph import DecodeGraphs
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
-from freetoken.engine.request import Request
+from freetoken.engine.request import Request, RequestStatus
 from freetoken.engine.runner import RowGroup, build_context
 from freetoken.engine.scheduler import PrefillChunk, Scheduler
 from freetoken.engine.spec_protocol import CommittedRows, SpecMethod
@@ -27,11 +46,15 @@ from freetoken.sampling import SamplingParams
 from freetoken.spec import spec_method_class
 
 
+PENDING = -1  # the output token of a launched step until its tokens are read back
+
+
 @dataclass
 class StepStats:
     prefill_tokens: int = 0
-    decode_steps: int = 0  # target decode/verify forwards
-    generated_tokens: int = 0
+    decode_steps: int = 0  # target decode/verify forwards launched (with overlap, also those whose rows all turned out finished)
+    overlapped_steps: int = 0  # decode steps launched before the previous step's tokens were read back
+    generated_tokens: int = 0  # tokens in the requests' outputs
     num_preemptions: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # index i: verifies that accepted draft i+1
     num_verifies: int = 0  # request-level verify rows groups (one per request per decode step)
@@ -45,6 +68,23 @@ def kv_blocks_for_memory(free_bytes: int, mem_fraction: float, block_bytes: int,
     if blocks < 1:
         raise FreetokenError(f"--mem-fraction {mem_fraction} of the {free_bytes / 2**30:.1f} GiB free on {device} holds no KV block")
     return blocks
+
+
+@dataclass
+class InFlightStep:
+    """A launched greedy k = 0 decode step whose tokens have not been read back yet."""
+
+    requests: list[Request]  # batch order
+    output_index: list[int]  # where each request's PENDING token sits in its output_token_ids
+    next_tokens: torch.Tensor  # [B] int64 on the device; the eager path feeds the next step from it
+    host_tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
+    copied: torch.cuda.Event | None  # recorded behind that copy (None: host_tokens is already filled)
+
+    def tokens(self) -> list[int]:
+        """The step's next tokens (waits for its copy, not for steps launched after it)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
 
 
 class LLMEngine:
@@ -67,6 +107,7 @@ class LLMEngine:
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
         self._next_id = 0
+        self.in_flight: InFlightStep | None = None
 
     def _num_kv_blocks(self, block_bytes: int) -> int:
         """--num-kv-blocks if given; else a share of free GPU memory (--mem-fraction); else room for
@@ -95,26 +136,44 @@ class LLMEngine:
         """Run every prompt to completion; returns the requests in prompt order."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        while self.scheduler.has_work:
+        while self.has_work:
             finished = self.step()
             if on_step is not None:
                 on_step(finished)
         return requests
 
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self.in_flight is not None
+
     # -- one step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """Advance the engine by one forward; returns the requests that finished in it."""
+        """Advance the engine by one forward; returns the requests that finished. With a greedy decode
+        step in flight, the next one is launched first when it can be (`_follow_up`), then the step in
+        flight is read back: its requests finish in the call after the one that launched their last step."""
+        finished: list[Request] = []
+        if self.in_flight is not None:
+            in_flight, self.in_flight = self.in_flight, None
+            batch = self._follow_up(in_flight)
+            if batch:
+                launched = self._launch(batch, after=in_flight)
+                finished = self._resolve(in_flight)
+                if any(r.status is RequestStatus.RUNNING for r in batch):
+                    self.in_flight = launched  # else every row of it was computed in vain: nothing to read
+                return finished
+            finished = self._resolve(in_flight)
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
             self.spec.release(request)
         self.stats.num_preemptions += len(scheduled.preempted)
         if scheduled.prefill:
             self._prefill(scheduled.prefill)
-            return []
-        if scheduled.decode:
-            return self._decode(scheduled.decode)
-        return []
+        elif scheduled.decode and self._overlaps(scheduled.decode):
+            self.in_flight = self._launch(scheduled.decode)
+        elif scheduled.decode:
+            finished += self._decode(scheduled.decode)
+        return finished
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         align = self.scheduler.prefill_align
@@ -203,4 +262,77 @@ class LLMEngine:
                 self.kv_pool.trim(request.block_table, request.num_cached_tokens)
                 committed.append(CommittedRows(request, start, hidden[rows][: a + 1], emitted))
         self.spec.observe(committed)
+        return finished
+
+    # -- overlapped greedy decode --------------------------------------------------------------------
+    def _overlaps(self, requests: list[Request]) -> bool:
+        """Whether a decode step of these requests is launched without reading its tokens back: greedy
+        without penalties and without drafts (k = 0 drafts nothing, so the method gets no rows to observe)."""
+        return self.config.overlap and self.spec.num_draft_tokens == 0 and all(r.params.is_plain_greedy for r in requests)
+
+    def _follow_up(self, in_flight: InFlightStep) -> list[Request]:
+        """The batch of a decode step that may be launched before in_flight is read back, its block tables
+        grown; [] when the next step is not known yet (then nothing changed).
+
+        It is in_flight's batch less the requests that finished and those that end at in_flight whatever
+        its token (max_new_tokens, max_model_len), when that batch is every running request and the
+        scheduler needs neither admission nor preemption. A request that stops at in_flight on a stop
+        token is in it: its row of the follow-up is dropped when in_flight is read back."""
+        live = [r for r in in_flight.requests if r.status is RequestStatus.RUNNING]
+        if len(live) != len(self.scheduler.running) or any(a is not b for a, b in zip(live, self.scheduler.running)):
+            return []
+        batch = [r for r in live if len(r.output_token_ids) < r.params.max_new_tokens and r.num_tokens < self.config.max_model_len]
+        return batch if batch and self.scheduler.continue_decode(batch) else []
+
+    def _launch(self, requests: list[Request], after: InFlightStep | None = None) -> InFlightStep:
+        """Launch a greedy k = 0 decode step and queue the copy of its next tokens to the host, without
+        waiting for it. Each request's output gets a PENDING token and its row is counted as cached.
+
+        after: the step in flight whose next tokens are this step's input tokens, taken on the device
+        (each request's row there); None: the requests' last tokens are known."""
+        groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id]) for r in requests]
+        fed_back_rows = None
+        if after is not None:
+            row_of = {id(r): i for i, r in enumerate(after.requests)}
+            fed_back_rows = [row_of[id(r)] for r in requests]
+        if self.graphs is not None:
+            next_tokens = self.graphs.run(groups, ForwardMode.EXTEND, greedy=True, fed_back_rows=fed_back_rows).result[1, : len(requests)]
+        else:
+            ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
+            if after is not None:
+                ctx = replace(ctx, input_ids=after.next_tokens.index_select(0, torch.tensor(fed_back_rows, device=self.device)))
+            logits = self.model.compute_logits(self.model(ctx))
+            no_drafts = torch.empty((len(requests), 0), dtype=torch.long, device=self.device)
+            next_tokens = sampling.greedy_verify(logits.view(len(requests), 1, -1), no_drafts).next_token
+        host_tokens, copied = next_tokens, None
+        if next_tokens.device.type == "cuda":
+            host_tokens = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
+            host_tokens.copy_(next_tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        launched = InFlightStep(requests, [len(r.output_token_ids) for r in requests], next_tokens, host_tokens, copied)
+        for request in requests:
+            request.output_token_ids.append(PENDING)
+            request.num_cached_tokens += 1
+        self.stats.decode_steps += 1
+        self.stats.overlapped_steps += after is not None
+        return launched
+
+    def _resolve(self, in_flight: InFlightStep) -> list[Request]:
+        """Read an in-flight step's tokens back into the outputs and stop its requests as `_decode` would;
+        a finishing request drops the PENDING token of a step launched after this one -> the finished requests."""
+        finished: list[Request] = []
+        for request, index, token in zip(in_flight.requests, in_flight.output_index, in_flight.tokens()):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # it finished at the step before, after this one was launched
+            request.output_token_ids[index] = token
+            request.num_target_steps += 1
+            self.stats.generated_tokens += 1
+            _, done = sampling.apply_stop([token], request.params, self.eos_ids, index)
+            if done or len(request.prompt_token_ids) + index + 1 >= self.config.max_model_len:
+                request.num_cached_tokens -= len(request.output_token_ids) - (index + 1)
+                del request.output_token_ids[index + 1 :]
+                self.scheduler.finish(request, self._finish_reason(request, [token], done))
+                self.spec.release(request)
+                finished.append(request)
         return finished

@@ -87,6 +87,19 @@ class Scheduler:
             preempted.append(victim)
         return ScheduledStep(prefill=[], decode=decode, preempted=preempted)
 
+    def continue_decode(self, batch: list[Request]) -> bool:
+        """Grow the block tables of `batch` (running requests past their prompts) for one more decode step,
+        unless that needs a decision schedule() would make: a waiting request may take a free seat, or
+        the pool is short of blocks (preemption). Returns whether it grew them; if not, nothing changed."""
+        if self.waiting and len(batch) < self.max_num_seqs:
+            return False
+        needs = [(r.block_table, r.num_cached_tokens + self.rows_per_decode) for r in batch]
+        if sum(self.kv_pool.blocks_needed(table, n) for table, n in needs) > self.kv_pool.num_free_blocks:
+            return False
+        for table, n in needs:
+            self.kv_pool.grow(table, n)
+        return True
+
     def _schedule_prefill(self) -> list[PrefillChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[PrefillChunk] = []
