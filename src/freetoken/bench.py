@@ -169,27 +169,41 @@ def _warm_up(engine, prompts: list[list[int]]) -> None:
     """One short run of the same shapes first, so kernel compilation and allocator growth are not timed."""
     for p in prompts:
         engine.add_request(p[:16], SamplingParams(max_new_tokens=3, ignore_eos=True))
-    while engine.scheduler.has_work:
+    while engine.has_work:
         engine.step()
     engine.stats = type(engine.stats)(accepted_per_position=[0] * engine.spec.num_draft_tokens)
 
 
 def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, device: str):
-    """Run to completion, timing prefill steps and decode steps separately -> (requests, prefill_s, decode_s)."""
+    """Run to completion, timing prefill steps and decode steps separately -> (requests, prefill_s, decode_s).
+
+    A prefill step is timed alone (synchronised before and after). A run of decode steps is timed as a
+    whole, from a synchronised start to a synchronised end, so the engine's overlap (the next step
+    launched before this one is read back) is measured as it runs."""
     _warm_up(engine, prompts)
     requests = [engine.add_request(p, params) for p in prompts]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prefill_s = decode_s = 0.0
-    while engine.scheduler.has_work:
+    decode_since = None  # start of the current run of decode steps
+    while engine.has_work:
         in_prefill = any(r.in_prefill for r in engine.scheduler.running) or bool(engine.scheduler.waiting)
-        sync()
-        t0 = time.perf_counter()
-        engine.step()
-        sync()
         if in_prefill:
+            sync()
+            if decode_since is not None:
+                decode_s += time.perf_counter() - decode_since
+                decode_since = None
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
             prefill_s += time.perf_counter() - t0
         else:
-            decode_s += time.perf_counter() - t0
+            if decode_since is None:
+                sync()
+                decode_since = time.perf_counter()
+            engine.step()
+    sync()
+    if decode_since is not None:
+        decode_s += time.perf_counter() - decode_since
     return requests, prefill_s, decode_s
 
 
