@@ -1,16 +1,20 @@
 """Triton MoE (grouped expert GEMM) vs an fp64 dense oracle, the torch reference and SparseMoE's torch path.
 
-Checks: values for several token counts (1, tokens sharing experts, one expert with rows over several
-row blocks); each row's bits alone == inside a bigger or different batch; an expert-parallel slice
+Checks: values for several token counts on both row layouts (direct up to DIRECT_MAX_ROWS routed rows,
+aligned above: tokens sharing experts, one expert with rows over several row blocks); each row's
+bits alone (direct) == inside a smaller batch (direct) and a bigger one (aligned), and both layouts
+forced on one batch give every row the same bits (on CPU only rows first in their aligned blocks:
+the interpreter's tl.dot, NumPy's sgemm, rounds a tile's later rows differently); an expert-parallel slice
 (other ranks' experts contribute exactly zero, the slices add up to the whole); the combine with the
 gated shared expert fused in == the fp32 partial finished by torch; the shared expert stacked as
 expert E == the fp64 oracle, the torch reference and the dense shared MLP's Triton kernels, row by
 row invariant; SparseMoE's Triton path (unmerged, merged with the shared expert stacked, merged with
 a wider shared expert kept dense) == its torch path, row by row invariant, launching only the Triton
-kernels of the block (six when stacked) and no torch op that computes, and merging keeps the
+kernels of the block (five when stacked, six above DIRECT_MAX_ROWS rows with align) and no torch op
+that computes, and merging keeps the
 parameters' names, shapes and the torch path's result; on CUDA, the op and the whole block captured
 in a CUDA graph replay new inputs exactly as eager (no host sync in the path), and the block's
-kernel count seen by the profiler.
+kernel count seen by the profiler (five at one token).
 On CPU the kernels run under TRITON_INTERPRET=1 at tiny shapes (H=64, E=8, top_k=2, I=32).
 Routing and align alone: test_moe_route_triton.py.
 """
@@ -73,11 +77,17 @@ def dense_oracle(x, experts, weights, gate_up, down, first=0):
 
 
 CASES = [  # (tokens, shared experts or None)
-    (1, None),
-    (5, None),
-    (19, None),  # many tokens share each of the 8 experts
-    (20, (1, 3, 5, 9, 17, 33, 64, 100)),  # every token on the same top_k experts: two row blocks each
+    (1, None),  # direct layout (up to DIRECT_MAX_ROWS routed rows, with or without the shared expert)
+    (5, None),  # direct
+    (40, None),  # aligned: many tokens share each expert
+    (40, (1, 3, 5, 9, 17, 33, 64, 100)),  # aligned, every token on the same top_k experts: three row blocks each
 ]
+
+
+def first_in_block(blocks):
+    """Flat rows that sit first in their row block (the direct layout: every row)."""
+    ids = blocks.sorted_ids.view(-1, moe_triton.BLOCK_M)[:, 0]
+    return set(ids[(blocks.block_expert < blocks.count) & (ids < blocks.rows)].tolist())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -98,16 +108,59 @@ def test_moe_matches_oracle_and_reference(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_rows_are_invariant_to_batch(device, dtype):
+    """A row alone (direct) == in a smaller batch (direct) == in a bigger one (aligned); on CPU the
+    last only where the row is first in each of its aligned blocks."""
     gate_up, down = weights_for(device, dtype)
-    x, experts, w = routing(19, device, dtype, seed=7)
+    x, experts, w = routing(40, device, dtype, seed=7)
+    assert not moe_triton.is_direct(experts.numel()) and moe_triton.is_direct(5 * experts.shape[1])
     full = moe_triton.moe_experts(x, experts, w, gate_up, down)
-    for i in [0, 6, 18] if device == "cpu" else range(19):
+    small = moe_triton.moe_experts(x[:5], experts[:5], w[:5], gate_up, down)
+    for i in [0, 3, 4] if device == "cpu" else range(5):
         alone = moe_triton.moe_experts(x[i : i + 1], experts[i : i + 1], w[i : i + 1], gate_up, down)
-        assert torch.equal(alone, full[i : i + 1]), f"row {i} alone differs"
-    # Other neighbours, another position in the row block, and a crowd on the same experts.
-    x2, e2, w2 = routing(17, device, dtype, seed=8, shared=tuple(experts[3].tolist()))
-    mixed = moe_triton.moe_experts(torch.cat([x2, x[3:4]]), torch.cat([e2, experts[3:4]]), torch.cat([w2, w[3:4]]), gate_up, down)
-    assert torch.equal(mixed[17], full[3])
+        assert torch.equal(alone, small[i : i + 1]), f"row {i} alone differs from the small batch"
+        first = moe_triton.moe_experts(*(torch.cat([t[i : i + 1], t]) for t in (x, experts, w)), gate_up, down)
+        assert torch.equal(alone, first[:1]), f"row {i} first in a big batch differs"
+        if device == "cuda":
+            assert torch.equal(alone, full[i : i + 1]), f"row {i} in the big batch differs"
+    # Other neighbours, other positions in the row block, and a crowd on the same experts.
+    for i in [3] if device == "cpu" else range(0, 40, 3):
+        x2, e2, w2 = routing(40, device, dtype, seed=8 + i, shared=tuple(experts[i].tolist()))
+        mixed = moe_triton.moe_experts(torch.cat([x2, x[i : i + 1]]), torch.cat([e2, experts[i : i + 1]]), torch.cat([w2, w[i : i + 1]]), gate_up, down)
+        torch.testing.assert_close(mixed[40], full[i], rtol=TOL[dtype], atol=TOL[dtype])
+        if device == "cuda":
+            assert torch.equal(mixed[40], full[i])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_moe_layouts_agree_bitwise(device, dtype, stacked):
+    """One batch through the direct and the aligned layout (both forced): every row's bits equal on CUDA;
+    on CPU equal where the row is first in its aligned blocks, and within rounding elsewhere."""
+    n = 8
+    if stacked:
+        gate_up, down = stacked_for(device, dtype)
+        x, experts, w = routing(n, device, dtype, seed=5)
+        experts = with_shared(experts, gate_up.shape[0] - 1)
+        g = torch.randn(n, 1, generator=torch.Generator().manual_seed(5)).to(dtype).to(device)
+        run = lambda blocks: moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g, blocks)  # noqa: E731
+    else:
+        gate_up, down = weights_for(device, dtype)
+        x, experts, w = routing(n, device, dtype, seed=5)
+        run = lambda blocks: moe_triton.moe_experts(x, experts, w, gate_up, down, blocks=blocks)  # noqa: E731
+    experts = experts.to(torch.int32).contiguous()
+    count = gate_up.shape[0]
+    direct, aligned = moe_triton.direct_blocks(experts, 0, count), moe_triton.align(experts, 0, count)
+    assert direct.block_expert.shape[0] == experts.numel() and first_in_block(direct) == set(range(experts.numel()))
+    got_direct, got_aligned = run(direct), run(aligned)
+    firsts = first_in_block(aligned)
+    row_k = experts.shape[1]
+    same = [t for t in range(n) if device == "cuda" or all(t * row_k + c in firsts for c in range(row_k))]
+    if device == "cpu":
+        assert 0 in same and len(same) < n, "the CPU case has rows first in their blocks and rows behind others"
+    for t in same:
+        assert torch.equal(got_direct[t], got_aligned[t]), f"row {t} differs between the layouts"
+    torch.testing.assert_close(got_direct, got_aligned, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -135,10 +188,10 @@ def test_moe_expert_parallel_slices(device):
 def test_moe_with_shared_expert_fused(device, dtype):
     """The fused combine == the fp32 partial, then torch's acc.to(dtype) + sigmoid(g) * shared."""
     gate_up, down = weights_for(device, dtype)
-    x, experts, w = routing(19, device, dtype, seed=2)
+    x, experts, w = routing(40, device, dtype, seed=2)
     gen = torch.Generator().manual_seed(4)
     shared = (torch.randn(x.shape, generator=gen) / 2).to(dtype).to(device)
-    logits = torch.randn(19, 3, generator=gen).to(dtype).to(device)  # the gate is a strided column
+    logits = torch.randn(40, 3, generator=gen).to(dtype).to(device)  # the gate is a strided column
     got = moe_triton.moe_experts(x, experts, w, gate_up, down, 0, shared, logits[:, 1:2])
     assert got.dtype == dtype and got.shape == x.shape
     acc = moe_triton.moe_experts(x, experts, w, gate_up, down)
@@ -147,7 +200,7 @@ def test_moe_with_shared_expert_fused(device, dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     ref = moe_ref.moe_experts(x.cpu(), experts.cpu(), w.cpu(), gate_up.cpu(), down.cpu(), 0, shared.cpu(), logits[:, 1:2].cpu())
     torch.testing.assert_close(got.cpu(), ref, rtol=TOL[dtype], atol=TOL[dtype])
-    for i in (0, 18):
+    for i in (0, 39):
         alone = moe_triton.moe_experts(x[i : i + 1], experts[i : i + 1], w[i : i + 1], gate_up, down, 0, shared[i : i + 1], logits[i : i + 1, 1:2])
         first = moe_triton.moe_experts(*(torch.cat([t[i : i + 1], t]) for t in (x, experts, w)), gate_up, down, 0, torch.cat([shared[i : i + 1], shared]), torch.cat([logits[i : i + 1], logits])[:, 1:2])
         assert torch.equal(alone, first[:1]), f"row {i} first in a batch differs"
@@ -193,16 +246,19 @@ def test_moe_shared_expert_stacked(device, dtype):
             shared_out = dense_oracle(xc, ec[:, -1:], torch.ones(n, 1), gu, dn)
             exact = routed + torch.sigmoid(logits[:, 1:2].cpu().double()) * shared_out
             torch.testing.assert_close(got.cpu().double(), exact, rtol=1e-5, atol=1e-5, msg=f"{n} tokens vs fp64")
-    x, experts, w = routing(19, device, dtype, seed=7)
+    x, experts, w = routing(40, device, dtype, seed=7)
     experts = with_shared(experts, num_experts)
-    g = torch.randn(19, 1, generator=gen).to(dtype).to(device)
-    full = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)
-    for i in (0, 6, 18):
+    assert not moe_triton.is_direct(experts.numel()) and moe_triton.is_direct(5 * experts.shape[1])
+    g = torch.randn(40, 1, generator=gen).to(dtype).to(device)
+    full = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)  # aligned
+    small = moe_triton.moe_experts_with_shared(x[:5], experts[:5], w[:5], gate_up, down, g[:5])  # direct
+    for i in (0, 4):
         alone = moe_triton.moe_experts_with_shared(x[i : i + 1], experts[i : i + 1], w[i : i + 1], gate_up, down, g[i : i + 1])
+        assert torch.equal(alone, small[i : i + 1]), f"row {i} in a direct batch differs"  # every row first in its block
         first = moe_triton.moe_experts_with_shared(*(torch.cat([t[i : i + 1], t]) for t in (x, experts, w)), gate_up, down, torch.cat([g[i : i + 1], g]))
-        assert torch.equal(alone, first[:1]), f"row {i} first in a batch differs"
+        assert torch.equal(alone, first[:1]), f"row {i} first in an aligned batch differs"
         if device == "cuda":  # NumPy's sgemm (the interpreter's tl.dot) rounds a tile's later rows differently
-            assert torch.equal(alone, full[i : i + 1]), f"row {i} alone differs"
+            assert torch.equal(alone, full[i : i + 1]), f"row {i} in an aligned batch differs"
 
 
 def moe_block(seed=11, shared_size=None):
@@ -227,7 +283,7 @@ def merged(block):
 def test_sparse_moe_triton_path_matches_torch_path(device, merge, monkeypatch):
     """fp32 only: in bf16 the two paths' router logits may round apart and pick other experts on a near tie."""
     block = moe_block(shared_size=2 * shape("cpu")[3] if merge == "wide-shared" else None)
-    x = torch.randn(9, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(12))
+    x = torch.randn(40, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(12))  # aligned; its first 5 direct
     monkeypatch.setattr(freetoken.kernels, "MODE", "torch")
     want = block(x)
     block, x = block.to(device), x.to(device)
@@ -247,11 +303,13 @@ def test_sparse_moe_triton_path_matches_torch_path(device, merge, monkeypatch):
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     got = block(x)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
-    for i in (0, 8):
+    small = block(x[:5])
+    torch.testing.assert_close(small.cpu(), want[:5], rtol=1e-5, atol=1e-5)
+    for i in (0, 4):
         alone = block(x[i : i + 1])
         assert torch.equal(alone, block(torch.cat([x[i : i + 1], x]))[:1]), f"row {i} first in a batch differs"
         if device == "cuda":  # NumPy's sgemm (the interpreter's tl.dot) rounds a tile's later rows differently
-            assert torch.equal(alone, got[i : i + 1]), f"row {i} alone differs"
+            assert torch.equal(alone, got[i : i + 1]) and torch.equal(alone, small[i : i + 1]), f"row {i} alone differs"
 
 
 class _TorchOps(TorchDispatchMode):
@@ -289,16 +347,19 @@ def launches(fn, monkeypatch):
 
 @pytest.mark.skipif(not INTERPRET, reason="counts launches under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("stacked", [True, False])
-def test_sparse_moe_launches(stacked, monkeypatch):
-    """Merged, one forward on the Triton path is the merged gate linear, route, align, gate_up, down and
-    combine; a shared expert wider than a routed one adds its own kernels. Torch only allocates and
-    takes views."""
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_sparse_moe_launches(stacked, tokens, monkeypatch):
+    """Merged, one forward on the Triton path is the merged gate linear, route (which writes the direct
+    row blocks up to DIRECT_MAX_ROWS routed rows), align (above that only), gate_up, down and combine;
+    a shared expert wider than a routed one adds its own kernels. Torch only allocates and takes views."""
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     block = merged(moe_block(shared_size=None if stacked else 2 * shape("cpu")[3]))
-    x = torch.randn(5, block.gate.weight.shape[1])
+    x = torch.randn(tokens, block.gate.weight.shape[1])
     shared, _ = launches(lambda: block.shared_expert(x), monkeypatch)
     kernels, ops = launches(lambda: block(x), monkeypatch)
-    moe = ["_route_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"]
+    direct = moe_triton.is_direct(tokens * (block.top_k + stacked))
+    assert direct == (tokens == 5)
+    moe = ["_route_kernel", *([] if direct else ["_align_kernel"]), "_gate_up_kernel", "_down_kernel", "_combine_kernel"]
     assert sorted(kernels) == sorted(["_linear_kernel", *moe, *([] if stacked else shared)]), kernels
     computing = [op for op in ops if not op.is_view and op.overloadpacket is not torch.ops.aten.empty]
     assert not computing, f"torch ops on the Triton path: {computing}"
@@ -374,14 +435,16 @@ def test_sparse_moe_replays_in_a_cuda_graph():
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
 def test_sparse_moe_kernel_count():
-    """Merged (the shared expert stacked as expert E), one forward is six kernels: merged gate linear,
-    route, align, gate_up, down, combine."""
+    """Merged (the shared expert stacked as expert E), one forward of one token is five kernels: merged
+    gate linear, route (writing the direct row blocks), gate_up, down, combine; of 8 tokens (72 routed
+    rows) six, align too."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     block = cuda_block()
-    x = torch.randn(1, shape("cuda")[0], device="cuda", dtype=torch.bfloat16)
-    block(x)  # compile and allocate first
+    xs = [torch.randn(n, shape("cuda")[0], device="cuda", dtype=torch.bfloat16) for n in (1, 8)]
+    for x in xs:
+        block(x)  # compile and allocate first
     torch.cuda.synchronize()
 
     def kernels_of(fn):
@@ -391,5 +454,6 @@ def test_sparse_moe_kernel_count():
         return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
 
     assert block.stacked is not None
-    names = kernels_of(lambda: block(x))
-    assert len(names) == 6, names
+    for x, count in zip(xs, (5, 6)):
+        names = kernels_of(lambda: block(x))
+        assert len(names) == count, names

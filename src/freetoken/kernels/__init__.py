@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from freetoken.kernels import batched, linear_ref, norm_ref
 from freetoken.kernels.attention_ref import store_kv
 from freetoken.kernels.batched import SeqBatch, seq_batch
 from freetoken.kernels.rope_ref import apply_rope
+
+if TYPE_CHECKING:
+    from freetoken.kernels.moe_triton import RowBlocks
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
 
@@ -166,41 +170,46 @@ def gdn_chunked_prefill(state, q, k, v, g, beta, batch: SeqBatch, out=None):
     return gdn_chunk_ref.gdn_chunked_batched(state, q, k, v, g, beta, batch, out)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None, with_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E] -> experts [N, top_k] and their renormalised softmax weights [N, top_k] in
-    dtype (default logits.dtype); softmax and renormalisation in fp32. with_shared: experts [N, top_k + 1]
-    with column top_k = E, the shared expert held as one more expert."""
+def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None, with_shared: bool = False, first: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, RowBlocks | None]:
+    """Router logits [N, E] -> (experts [N, top_k], their renormalised softmax weights [N, top_k] in dtype
+    (default logits.dtype), blocks); softmax and renormalisation in fp32. with_shared: experts
+    [N, top_k + 1] with column top_k = E, the shared expert held as one more expert. blocks: on the
+    Triton path for few rows, the expert GEMMs' row blocks for the experts [first, first + count)
+    (default all), written by the routing launch (moe_triton.RowBlocks); else None. Pass them on to
+    moe_experts / moe_experts_with_shared, which then launch no layout kernel."""
     dtype = dtype or logits.dtype
     if use_triton(logits):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.route(logits, top_k, dtype, with_shared)
+        return moe_triton.route(logits, top_k, dtype, with_shared, first, count)
     from freetoken.kernels import moe_ref
 
-    return moe_ref.route(logits, top_k, dtype, with_shared)
+    return (*moe_ref.route(logits, top_k, dtype, with_shared), None)
 
 
-def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None, blocks: RowBlocks | None = None) -> torch.Tensor:
     """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H];
     given the shared expert's output [N, H] and gate logit [N, 1], the block output
-    acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype."""
+    acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype. blocks: moe_route's (a Triton layout;
+    the result does not depend on it)."""
     if use_triton(x):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
+        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate, blocks)
     from freetoken.kernels import moe_ref
 
     return moe_ref.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
 
 
-def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
+def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:
     """The block output with the shared expert held as expert E: x [N, H], experts [N, top_k + 1] (column
     top_k = E), weights [N, top_k], gate_up [E + 1, 2I, H], down [E + 1, H, I], shared_gate [N, 1] ->
-    acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype, acc over the top_k routed experts."""
+    acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype, acc over the top_k routed experts.
+    blocks: moe_route's (a Triton layout; the result does not depend on it)."""
     if use_triton(x):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)
+        return moe_triton.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks)
     from freetoken.kernels import moe_ref
 
     return moe_ref.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)

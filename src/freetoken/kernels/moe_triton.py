@@ -1,26 +1,44 @@
 """A sparse MoE block's routing and routed experts in Triton, with no host sync.
 
 Nothing here reads device data on the host, so the whole block can be captured in a CUDA graph:
-every buffer and grid size follows from N (tokens), top_k, E (router experts) and C (experts held by
-this rank). One SparseMoE forward on this path is five launches here (route, align, gate_up, down,
-combine) besides the linear of the merged router | shared-gate projection. When the block holds its
-shared expert as expert E of the stacked weights [E + 1, ...] (`moe_experts_with_shared`), the
-shared expert is one more routed row of every token and needs no launches of its own; otherwise
-(`moe_experts`) it runs as a dense MLP before the combine.
+every buffer, grid size and layout choice follows from N (tokens), top_k, E (router experts) and C
+(experts held by this rank). One SparseMoE forward on this path is four launches here (route,
+gate_up, down, combine) for up to DIRECT_MAX_ROWS routed rows, five (align too) above, besides the
+linear of the merged router | shared-gate projection. When the block holds its shared expert as
+expert E of the stacked weights [E + 1, ...] (`moe_experts_with_shared`), the shared expert is one
+more routed row of every token and needs no launches of its own; otherwise (`moe_experts`) it runs
+as a dense MLP before the combine.
 
-Layout (R = top_k, or top_k + 1 with the shared expert; T = N * R rows, flat row t = token * R + column):
+Layout (R = top_k, or top_k + 1 with the shared expert; T = N * R rows, flat row t = token * R + column).
+The grouped GEMMs take the rows in blocks of BLOCK_M (`RowBlocks`): `sorted_ids` [blocks * BLOCK_M]
+holds each block's flat row ids, T marking padding (masked in every load and store), and
+`block_expert` [blocks] the held expert of the block's rows minus `first`, C for a block to skip
+(its programs return at once). Which of two layouts is used follows from T alone (`is_direct`):
+  direct    T <= DIRECT_MAX_ROWS (decode, verify): one block per row, blocks = T. Block t holds row t
+            (sorted_ids[t * BLOCK_M] = t, its other BLOCK_M - 1 entries T); block_expert[t] = the
+            row's expert minus first if this rank holds it, else C. The route kernel writes it as it
+            routes (given first and C), so no align launch; for experts from elsewhere
+            `_direct_blocks_kernel` writes it (one program per token). An expert chosen by several
+            tokens is read once per row, mostly from L2 at these sizes.
+  aligned   T > DIRECT_MAX_ROWS: `_align_kernel`, one program per held expert, counts every held
+            expert's rows (`tl.histogram` over the keys, BLOCK_T at a time), takes its first row
+            block from the prefix of ceil(count / BLOCK_M), then writes in ascending t the flat ids
+            of its rows (padding to its last block = T) and the expert of its blocks; the surplus
+            blocks up to max_blocks = min(C, T) + T // BLOCK_M + 1 get C.
+A row's result has the same bits in either layout and at any position in its block: a row of a
+tl.dot output depends only on that row of the left operand and on the right operand, and both
+layouts run the same kernels with the same tiles. (Not so under TRITON_INTERPRET: there tl.dot is
+NumPy's sgemm, which can round a tile's later rows differently; the first row of a tile agrees.)
+
+Kernels:
   route     `_route_kernel`, one program per token: softmax of the router logits in fp32, top_k by
             iterative max (ties to the lower expert id), weights renormalised in fp32 then rounded
             to x.dtype -> experts [N, R] int32 (column top_k = E, the shared expert, when R = top_k + 1),
-            weights [N, top_k].
-  align     `_align_kernel`, one program per held expert: counts every held expert's rows
-            (`tl.histogram` over the keys, BLOCK_T at a time), takes its first row block from the
-            prefix of ceil(count / BLOCK_M), then writes in ascending t the flat ids of its rows
-            (`sorted_ids`, padding to its last block = T) and the expert of its blocks
-            (`block_expert`); the surplus blocks up to min(C, T) + T // BLOCK_M + 1 get C (skipped).
+            weights [N, top_k]; and the token's R direct blocks when T <= DIRECT_MAX_ROWS.
+  align     `_align_kernel` (aligned layout only, above).
   gate_up   `_gate_up_kernel`: per (row block, feature tile of I) the gate and up tiles of that
-            block's expert, then silu(gate) * up -> hidden [rows, I], with the roundings of the
-            dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
+            block's expert, then silu(gate) * up -> hidden [blocks * BLOCK_M, I], with the roundings
+            of the dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
   down      `_down_kernel`: hidden @ down[e]^T -> out [T, H] in x.dtype, scattered back to flat rows.
   combine   `_combine_kernel`: per token, its routed (first top_k) experts held here in ascending
             id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
@@ -32,11 +50,13 @@ Layout (R = top_k, or top_k + 1 with the shared expert; T = N * R rows, flat row
 Row invariance (DESIGN.md invariant 5): every GEMM tile walks K from 0 upwards in BLOCK_K steps with
 fp32 accumulation and one configuration per dtype, the token count is not specialised on, routing is
 per token, and a row's values never mix with another row's, so a token gets the same bits whatever
-shares the launch. Decode reads only the selected experts' weights, once per row block (one block
-per expert for up to BLOCK_M rows), over enough programs (row blocks x feature tiles) to fill the GPU.
+shares the launch, in either layout. Decode reads only the selected experts' weights, over enough
+programs (row blocks x feature tiles) to fill the GPU.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,7 +64,10 @@ import triton.language as tl
 
 from freetoken.kernels.compat_triton import INTERPRET
 
-BLOCK_M = 16  # routed rows per GEMM tile; each expert's rows are padded to a multiple of it
+BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
+# Up to this many routed rows (T = N * R) the direct layout: route writes the row blocks, no align launch.
+# 64 covers decode and verify batches of up to 7 tokens of Qwen3.5-35B-A3B (R = 8 + 1).
+DIRECT_MAX_ROWS = 64
 # GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5  # chosen by bench/moe_speed.py on the H200
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5
@@ -55,10 +78,23 @@ BLOCK_H = 128  # hidden features per combine program
 
 
 @triton.jit
+def _direct_blocks(sorted_ids_ptr, block_expert_ptr, rows, experts, mask, T, first, C, BLOCK_M: tl.constexpr):
+    """The direct layout's blocks of the flat rows `rows` (global ids `experts`) where `mask`: block r
+    holds row r and T (padding) after it; its expert is the local id, or C when not held."""
+    local = experts - first
+    local = tl.where((local >= 0) & (local < C), local, C)
+    tl.store(block_expert_ptr + rows, local.to(tl.int32), mask=mask)
+    col = tl.arange(0, BLOCK_M)
+    ids = tl.where(col[None, :] == 0, rows[:, None], T)
+    tl.store(sorted_ids_ptr + rows[:, None] * BLOCK_M + col[None, :], ids.to(tl.int32), mask=mask[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
 def _route_kernel(
-    logits_ptr, experts_ptr, weights_ptr,
-    E, stride_lm,
+    logits_ptr, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+    E, stride_lm, T, first, C,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -80,6 +116,23 @@ def _route_kernel(
     if ROW_K > TOP_K:  # the shared expert, held as expert E
         tl.store(experts_ptr + token * ROW_K + TOP_K, E)
     tl.store(weights_ptr + token * TOP_K + slots, w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    if DIRECT:  # this token's row blocks of the direct layout
+        _direct_blocks(sorted_ids_ptr, block_expert_ptr, token * ROW_K + slots, ids, slots < TOP_K, T, first, C, BLOCK_M)
+        if ROW_K > TOP_K:
+            _direct_blocks(sorted_ids_ptr, block_expert_ptr, token * ROW_K + TOP_K + slots, E + 0 * slots, slots == 0, T, first, C, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _direct_blocks_kernel(
+    experts_ptr, sorted_ids_ptr, block_expert_ptr,
+    T, first, C,
+    ROW_K: tl.constexpr, ROW_K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, ROW_K_POW2)
+    rows = token * ROW_K + slots
+    experts = tl.load(experts_ptr + rows, mask=slots < ROW_K, other=0)
+    _direct_blocks(sorted_ids_ptr, block_expert_ptr, rows, experts, slots < ROW_K, T, first, C, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["T", "num_blocks"])
@@ -224,9 +277,29 @@ def _combine_kernel(
     tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+class RowBlocks(NamedTuple):
+    """The row blocks the grouped GEMMs run over (module docstring, Layout)."""
+
+    sorted_ids: torch.Tensor  # [blocks * BLOCK_M] int32 flat row ids; `rows` = padding
+    block_expert: torch.Tensor  # [blocks] int32 held expert minus `first`; `count` = skipped
+    rows: int  # T, the routed rows they cover
+    first: int  # the held experts are [first, first + count)
+    count: int
+
+
+def is_direct(rows: int) -> bool:
+    """Whether `rows` routed rows take the direct layout (one block per row) rather than the aligned one."""
+    return rows <= DIRECT_MAX_ROWS
+
+
 def max_blocks(num_experts: int, rows: int) -> int:
-    """Upper bound on the row blocks of `rows` routed rows over `num_experts` experts (host-side)."""
+    """Upper bound on the row blocks of `rows` routed rows over `num_experts` experts, aligned (host-side)."""
     return min(num_experts, rows) + rows // BLOCK_M + 1
+
+
+def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
+    sorted_ids = torch.empty((rows * BLOCK_M,), dtype=torch.int32, device=device)
+    return RowBlocks(sorted_ids, torch.empty((rows,), dtype=torch.int32, device=device), rows, first, count)
 
 
 def route(
@@ -234,26 +307,47 @@ def route(
     top_k: int,
     dtype: torch.dtype,
     with_shared: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # experts [N, top_k (+ 1)] int32, weights [N, top_k] dtype
+    first: int = 0,
+    count: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, RowBlocks | None]:  # experts [N, top_k (+ 1)] int32, weights [N, top_k] dtype, blocks
     """Softmax in fp32, top_k (descending, ties to the lower id), weights renormalised then cast to dtype.
-    with_shared: experts gets a column top_k = E, the shared expert held as one more expert."""
+    with_shared: experts gets a column top_k = E, the shared expert held as one more expert.
+    For T = N * (top_k + with_shared) <= DIRECT_MAX_ROWS the same launch writes the direct row blocks
+    for the experts [first, first + count) (default: all, E + with_shared) and returns them; else None."""
     n, num_experts = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     row_k = top_k + int(with_shared)
+    count = num_experts + int(with_shared) if count is None else count
+    rows = n * row_k
     experts = torch.empty((n, row_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((n, top_k), dtype=dtype, device=logits.device)
+    blocks = _direct_buffers(rows, first, count, logits.device) if is_direct(rows) else None
     if n:
         _route_kernel[(n,)](
-            logits, experts, weights, num_experts, logits.stride(0),
-            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k, num_warps=1,
+            logits, experts, weights, *(blocks[:2] if blocks else (experts, experts)),
+            num_experts, logits.stride(0), rows, first, count,
+            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k,
+            BLOCK_M=BLOCK_M, DIRECT=blocks is not None, num_warps=1,
         )
-    return experts, weights
+    return experts, weights, blocks
 
 
-def align(experts: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """experts [N, R] global ids -> sorted_ids [blocks * BLOCK_M] (flat rows, T = padding), block_expert [blocks].
+def direct_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
+    """experts [N, R] global ids (contiguous) -> the direct layout: block t holds flat row t alone."""
+    n, row_k = experts.shape
+    blocks = _direct_buffers(n * row_k, first, count, experts.device)
+    if n:
+        _direct_blocks_kernel[(n,)](
+            experts, blocks.sorted_ids, blocks.block_expert, n * row_k, first, count,
+            ROW_K=row_k, ROW_K_POW2=triton.next_power_of_2(row_k), BLOCK_M=BLOCK_M, num_warps=1,
+        )
+    return blocks
 
-    Only the rows of real blocks (block_expert < count) are written; the surplus blocks' rows are not read."""
+
+def align(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
+    """experts [N, R] global ids (contiguous) -> the aligned layout: each held expert's rows in ascending
+    flat id, padded to whole blocks. Only the rows of real blocks (block_expert < count) are written;
+    the surplus blocks' rows are not read."""
     rows = experts.numel()
     nb = max_blocks(count, rows)
     sorted_ids = torch.empty((nb * BLOCK_M,), dtype=torch.int32, device=experts.device)
@@ -262,7 +356,12 @@ def align(experts: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, 
         experts, sorted_ids, block_expert, rows, first, count, nb,
         BLOCK_T=BLOCK_T, BLOCK_C=triton.next_power_of_2(count), BLOCK_M=BLOCK_M, num_warps=4,
     )
-    return sorted_ids, block_expert
+    return RowBlocks(sorted_ids, block_expert, rows, first, count)
+
+
+def row_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
+    """experts [N, R] global ids (contiguous) -> their row blocks in the layout T = N * R calls for."""
+    return direct_blocks(experts, first, count) if is_direct(experts.numel()) else align(experts, first, count)
 
 
 def _expert_rows(
@@ -271,14 +370,18 @@ def _expert_rows(
     gate_up: torch.Tensor,  # [C, 2I, H] contiguous
     down: torch.Tensor,  # [C, H, I] contiguous
     first: int,
+    blocks: RowBlocks | None,  # these experts' row blocks (route's, or forced by a test); None: made here
 ) -> torch.Tensor:  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
-    """align, gate_up, down."""
+    """The row blocks (direct or align launch) unless given, gate_up, down."""
     n, hidden = x.shape
     row_k = experts.shape[1]
     count, two_i, _ = gate_up.shape
     inter = two_i // 2
     rows = n * row_k
-    sorted_ids, block_expert = align(experts, first, count)
+    if blocks is None:
+        blocks = row_blocks(experts, first, count)
+    assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
+    sorted_ids, block_expert = blocks.sorted_ids, blocks.block_expert
     nb = block_expert.shape[0]
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
@@ -334,6 +437,7 @@ def moe_experts(
     first: int = 0,
     shared: torch.Tensor | None = None,  # [N, H] shared expert output, x.dtype
     shared_gate: torch.Tensor | None = None,  # [N, 1] shared expert gate logit, x.dtype
+    blocks: RowBlocks | None = None,  # these experts' row blocks (route's); None: made here
 ) -> torch.Tensor:  # [N, H]: fp32 sum over the held experts of weight * expert(x); x.dtype block output with shared
     """Routed experts; given `shared` and `shared_gate`, acc.to(x.dtype) + sigmoid(shared_gate) * shared."""
     assert x.dtype == gate_up.dtype == down.dtype, f"moe_experts: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
@@ -343,7 +447,7 @@ def moe_experts(
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     experts = experts.contiguous()
-    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), first)
+    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), first, blocks)
     if with_shared:
         shared = shared if shared.stride(1) == 1 else shared.contiguous()
     return _combine(out, experts, weights.contiguous(), first, gate_up.shape[0], shared, shared_gate, y)
@@ -356,6 +460,7 @@ def moe_experts_with_shared(
     gate_up: torch.Tensor,  # [E + 1, 2I, H] the routed experts, then the shared expert; gate rows first
     down: torch.Tensor,  # [E + 1, H, I]
     shared_gate: torch.Tensor,  # [N, 1] shared expert gate logit, x.dtype
+    blocks: RowBlocks | None = None,  # these experts' row blocks (route's); None: made here
 ) -> torch.Tensor:  # [N, H] x.dtype
     """The block output acc.to(x.dtype) + sigmoid(shared_gate) * shared, the shared expert run as expert E
     of the grouped GEMMs (its row of `out` is `shared`); acc sums the top_k routed experts only."""
@@ -368,6 +473,6 @@ def moe_experts_with_shared(
     x = x if x.stride(1) == 1 else x.contiguous()
     experts = experts.contiguous()
     row_k = experts.shape[1]
-    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), 0)
+    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), 0, blocks)
     shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
     return _combine(out, experts, weights.contiguous(), 0, gate_up.shape[0], shared, shared_gate, y)

@@ -8,9 +8,15 @@ the router and the shared-expert gate are read as one [E + 1, H] weight once mer
 Merged, without expert parallelism and with the shared expert as wide as a routed one, the shared
 expert is also stacked after the routed experts as expert E ([E + 1, 2I, H] and [E + 1, H, I]; the
 experts' and the shared MLP's parameters become views of them): every token is routed to it as one
-more row of the grouped GEMMs, and the combine adds it gated. A decode step's block is then six
-launches (merged gates linear, route, align, gate_up, down, combine). Otherwise the shared expert
-runs as a dense MLP and the combine adds its output. The torch path is unchanged by either.
+more row of the grouped GEMMs, and the combine adds it gated. Otherwise the shared expert runs as a
+dense MLP and the combine adds its output. The torch path is unchanged by either.
+
+Launches per block on the Triton path, merged: at decode and verify sizes (N * R <= 64 routed rows,
+R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) the route launch also writes the
+expert GEMMs' row blocks (one row per block), so a stacked block is five launches (merged gates
+linear, route, gate_up, down, combine) and one with a dense shared MLP eight (those five and the
+MLP's gate_up linear, silu_mul and down linear). Above that, the rows are grouped by expert first
+(align): one launch more. A row's result has the same bits either way.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
@@ -75,14 +81,14 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         router, shared_gate = self._gates(x)
         if self.stacked is not None and kernels.use_triton(x):
-            experts, weights = kernels.moe_route(router, self.top_k, x.dtype, with_shared=True)  # [N, top_k + 1], [N, top_k]
-            return kernels.moe_experts_with_shared(x, experts, weights, *self.stacked, shared_gate)
-        experts, weights = kernels.moe_route(router, self.top_k, x.dtype)  # [N, top_k]
+            experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, with_shared=True)  # [N, top_k + 1], [N, top_k]
+            return kernels.moe_experts_with_shared(x, experts, weights, *self.stacked, shared_gate, blocks)
+        experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, first=self.experts.first, count=self.experts.count)  # [N, top_k]
         routed = (x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)
         if self.parallel.is_parallel:
-            acc = self.parallel.all_reduce(kernels.moe_experts(*routed))  # [N, H] fp32
+            acc = self.parallel.all_reduce(kernels.moe_experts(*routed, blocks=blocks))  # [N, H] fp32
             return acc.to(x.dtype) + torch.sigmoid(shared_gate) * self.shared_expert(x)
-        return kernels.moe_experts(*routed, self.shared_expert(x), shared_gate)
+        return kernels.moe_experts(*routed, self.shared_expert(x), shared_gate, blocks)
 
 
 def _stack_shared_expert(experts: FusedExperts, mlp: MLP) -> tuple[torch.Tensor, torch.Tensor]:
