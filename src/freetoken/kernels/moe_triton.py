@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels import pdl
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
@@ -94,8 +95,9 @@ def _route_kernel(
     logits_ptr, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
     E, stride_lm, T, first, C,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * stride_lm + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
@@ -126,8 +128,9 @@ def _route_kernel(
 def _direct_blocks_kernel(
     experts_ptr, sorted_ids_ptr, block_expert_ptr,
     T, first, C,
-    ROW_K: tl.constexpr, ROW_K_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    ROW_K: tl.constexpr, ROW_K_POW2: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, ROW_K_POW2)
     rows = token * ROW_K + slots
@@ -139,8 +142,9 @@ def _direct_blocks_kernel(
 def _align_kernel(
     experts_ptr, sorted_ids_ptr, block_expert_ptr,
     T, first, C, num_blocks,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK_T)
     counts = tl.zeros((BLOCK_C,), dtype=tl.int32)  # rows per held expert
@@ -177,8 +181,9 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -217,8 +222,9 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -247,8 +253,9 @@ def _combine_kernel(
     out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
     N, H, first, C,
     stride_om, stride_sm, stride_gm, stride_ym,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, TOP_K_POW2)
@@ -327,7 +334,7 @@ def route(
             logits, experts, weights, *(blocks[:2] if blocks else (experts, experts)),
             num_experts, logits.stride(0), rows, first, count,
             TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k,
-            BLOCK_M=BLOCK_M, DIRECT=blocks is not None, num_warps=1,
+            BLOCK_M=BLOCK_M, DIRECT=blocks is not None, num_warps=1, **pdl.launch_kwargs(),
         )
     return experts, weights, blocks
 
@@ -339,7 +346,7 @@ def direct_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
     if n:
         _direct_blocks_kernel[(n,)](
             experts, blocks.sorted_ids, blocks.block_expert, n * row_k, first, count,
-            ROW_K=row_k, ROW_K_POW2=triton.next_power_of_2(row_k), BLOCK_M=BLOCK_M, num_warps=1,
+            ROW_K=row_k, ROW_K_POW2=triton.next_power_of_2(row_k), BLOCK_M=BLOCK_M, num_warps=1, **pdl.launch_kwargs(),
         )
     return blocks
 
@@ -354,7 +361,7 @@ def align(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
     block_expert = torch.empty((nb,), dtype=torch.int32, device=experts.device)
     _align_kernel[(count,)](
         experts, sorted_ids, block_expert, rows, first, count, nb,
-        BLOCK_T=BLOCK_T, BLOCK_C=triton.next_power_of_2(count), BLOCK_M=BLOCK_M, num_warps=4,
+        BLOCK_T=BLOCK_T, BLOCK_C=triton.next_power_of_2(count), BLOCK_M=BLOCK_M, num_warps=4, **pdl.launch_kwargs(),
     )
     return RowBlocks(sorted_ids, block_expert, rows, first, count)
 
@@ -390,7 +397,7 @@ def _expert_rows(
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES,
+        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
@@ -398,7 +405,7 @@ def _expert_rows(
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES,
+        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     return out
 
@@ -423,7 +430,7 @@ def _combine(
         out, experts, weights, shared, shared_gate, y,
         n, hidden, first, count,
         out.stride(0), shared.stride(0), shared_gate.stride(0), y.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4,
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4, **pdl.launch_kwargs(),
     )
     return y
 
