@@ -8,11 +8,6 @@ launch of kernel i + 1 overlaps the work of kernel i while every kernel still st
 the previous one ended, as without PDL: no result changes. Stream capture keeps the programmatic
 edges in a CUDA graph. A kernel that follows a non-PDL kernel (a torch op) simply waits for it.
 
-A kernel that streams a weight may first queue an L2 prefetch of the start of its slice
-(`prefetch_l2`, before `sync`): weights are never written by a kernel, so this is safe while the
-previous kernel still runs, and the kernel's first loads then hit L2. FREETOKEN_PREFETCH_BYTES sets
-the bytes per weight row (0: none).
-
 Off under the interpreter, on GPUs before sm_90, and with FREETOKEN_PDL=0.
 """
 
@@ -38,11 +33,6 @@ def enabled() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-def prefetch_bytes() -> int:
-    """Bytes of each weight row a weight-streaming kernel prefetches into L2 before its `sync`."""
-    return int(os.environ.get("FREETOKEN_PREFETCH_BYTES", "1024")) if enabled() else 0
-
-
 def launch_kwargs() -> dict[str, bool]:
     """The launch arguments of a kernel that starts with `sync(PDL)`."""
     on = enabled()
@@ -55,13 +45,3 @@ def sync(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes, mask):
-    """Queue an L2 prefetch of `nbytes` (a multiple of 16) at each 16-byte aligned address of `ptrs`
-    where `mask` holds (sm_90 bulk prefetch; nothing waits for it)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), nbytes, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )
