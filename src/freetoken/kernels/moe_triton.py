@@ -14,12 +14,13 @@ The grouped GEMMs take the rows in blocks of BLOCK_M (`RowBlocks`): `sorted_ids`
 holds each block's flat row ids, T marking padding (masked in every load and store), and
 `block_expert` [blocks] the held expert of the block's rows minus `first`, C for a block to skip
 (its programs return at once). Which of two layouts is used follows from T alone (`is_direct`):
-  direct    T <= DIRECT_MAX_ROWS (decode, verify): one block per row, blocks = T. Block t holds row t
-            (sorted_ids[t * BLOCK_M] = t, its other BLOCK_M - 1 entries T); block_expert[t] = the
-            row's expert minus first if this rank holds it, else C. The route kernel writes it as it
-            routes (given first and C), so no align launch; for experts from elsewhere
+  direct    T <= DIRECT_MAX_ROWS (small decode and verify batches): one block per row, blocks = T.
+            Block t holds row t (sorted_ids[t * BLOCK_M] = t, its other BLOCK_M - 1 entries T);
+            block_expert[t] = the row's expert minus first if this rank holds it, else C. The route
+            kernel writes it as it routes (given first and C), so no align launch; for experts from elsewhere
             `_direct_blocks_kernel` writes it (one program per token). An expert chosen by several
-            tokens is read once per row, mostly from L2 at these sizes.
+            tokens (the stacked shared expert: by all) is read once per row, which is what bounds
+            DIRECT_MAX_ROWS.
   aligned   T > DIRECT_MAX_ROWS: `_align_kernel`, one program per held expert, counts every held
             expert's rows (`tl.histogram` over the keys, BLOCK_T at a time), takes its first row
             block from the prefix of ceil(count / BLOCK_M), then writes in ascending t the flat ids
@@ -67,8 +68,11 @@ from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
 # Up to this many routed rows (T = N * R) the direct layout: route writes the row blocks, no align launch.
-# 64 covers decode and verify batches of up to 7 tokens of Qwen3.5-35B-A3B (R = 8 + 1).
-DIRECT_MAX_ROWS = 64
+# Measured on the H200 at the Qwen3.5-35B-A3B shape, stacked (R = 8 + 1; bench/moe_speed.py layouts):
+# direct vs aligned (align included) 30 vs 35 us at 1 token, 43 vs 50 at 2, 62 vs 68 at 3, but 80 vs 77
+# at 4 and 118 vs 109 at 7 tokens, where reading the shared expert (and repeats) once per row costs
+# more than the align launch saves.
+DIRECT_MAX_ROWS = 32
 # GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5  # chosen by bench/moe_speed.py on the H200
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5

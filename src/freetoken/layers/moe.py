@@ -11,7 +11,7 @@ experts' and the shared MLP's parameters become views of them): every token is r
 more row of the grouped GEMMs, and the combine adds it gated. Otherwise the shared expert runs as a
 dense MLP and the combine adds its output. The torch path is unchanged by either.
 
-Launches per block on the Triton path, merged: at decode and verify sizes (N * R <= 64 routed rows,
+Launches per block on the Triton path, merged: at small decode and verify sizes (N * R <= 32 routed rows,
 R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) the route launch also writes the
 expert GEMMs' row blocks (one row per block), so a stacked block is five launches (merged gates
 linear, route, gate_up, down, combine) and one with a dense shared MLP eight (those five and the
