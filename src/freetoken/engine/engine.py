@@ -224,6 +224,11 @@ class LLMEngine:
             [r.generator for r in requests],
         )
 
+    def _finish(self, request: Request, kept: list[int], done: bool) -> None:
+        """End a request whose last step kept `kept`: free its blocks and slot, drop its draft state."""
+        self.scheduler.finish(request, self._finish_reason(request, kept, done))
+        self.spec.release(request)
+
     def _finish_reason(self, request: Request, kept: list[int], done: bool) -> str:
         """"stop" for an EOS or stop token, "length" for max_new_tokens or the model length."""
         last = kept[-1] if kept else None
@@ -255,8 +260,7 @@ class LLMEngine:
                     self.stats.accepted_per_position[i] += 1
             self.stats.generated_tokens += len(kept)
             if done or request.num_tokens >= self.config.max_model_len:
-                self.scheduler.finish(request, self._finish_reason(request, kept, done))
-                self.spec.release(request)
+                self._finish(request, kept, done)
                 finished.append(request)
             else:
                 self.kv_pool.trim(request.block_table, request.num_cached_tokens)
@@ -332,7 +336,6 @@ class LLMEngine:
             if done or len(request.prompt_token_ids) + index + 1 >= self.config.max_model_len:
                 request.num_cached_tokens -= len(request.output_token_ids) - (index + 1)
                 del request.output_token_ids[index + 1 :]
-                self.scheduler.finish(request, self._finish_reason(request, [token], done))
-                self.spec.release(request)
+                self._finish(request, [token], done)
                 finished.append(request)
         return finished
