@@ -10,6 +10,11 @@ and the sum of kernel time, as JSON lines. The gap between that sum and the grap
 --host profiles the host side of graphed steps instead (cProfile, by cumulative time) and splits
 each step's wall time: before the replay is launched, the replay on the GPU (CUDA events around
 the staging copy and the graph), and after it.
+
+--graph profiles graphed steps as they run (PDL overlaps each kernel's launch with the previous
+kernel, so kernel durations overlap): each kernel is charged its critical-path increment, the time
+from the later of its start and the previous kernel's end to its own end. Prints, per kernel name and
+grid, the increment and duration per step, then the kernels of one step in order (first --top).
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--host", action="store_true", help="profile the host side of graphed steps (cProfile) instead")
+    ap.add_argument("--graph", action="store_true", help="critical-path time per kernel of graphed steps instead")
     args = ap.parse_args()
     cfg = SHAPES[args.shape]
     spec = "oracle" if args.k else "none"
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + 64 + args.k + 2,
-                          cuda_graphs=args.host, spec=spec, num_draft_tokens=args.k)
+                          cuda_graphs=args.host or args.graph, spec=spec, num_draft_tokens=args.k)
     model = random_model(cfg, "cuda", torch.bfloat16, with_mtp=False)
     engine = LLMEngine(model, config)
     prompt = torch.randint(0, cfg.vocab_size - 16, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -52,6 +58,9 @@ def main() -> None:
     torch.cuda.synchronize()
     if args.host:
         _host_profile(engine, args.steps, args.top)
+        return
+    if args.graph:
+        _graph_profile(engine, args.steps, args.top)
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -67,6 +76,42 @@ def main() -> None:
     print(json.dumps({"shape": args.shape, "k": args.k, "kernels_per_step": sum(counts.values()) / args.steps, "kernel_us_per_step": round(total_us, 1)}))
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[: args.top]:
         print(json.dumps({"kernel": name[:90], "us_per_step": round(us / args.steps, 1), "calls_per_step": counts[name] / args.steps, "share": round(us / args.steps / total_us, 3)}))
+
+
+def _graph_profile(engine, steps: int, top: int) -> None:
+    """Per kernel (name, grid) of graphed steps: critical-path increment and duration per step (us)."""
+    import os
+    import tempfile
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events.sort(key=lambda e: e["ts"])
+    inc: dict[tuple, float] = defaultdict(float)
+    dur: dict[tuple, float] = defaultdict(float)
+    count: dict[tuple, int] = defaultdict(int)
+    order, end = [], None
+    for e in events:
+        key = (e["name"][:60], tuple(e.get("args", {}).get("grid", ())))
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        step = stop - (start if end is None else max(start, end))
+        end = stop if end is None else max(end, stop)
+        inc[key] += step
+        dur[key] += e["dur"]
+        count[key] += 1
+        order.append((key, step, e["dur"]))
+    total = sum(inc.values()) / steps
+    print(json.dumps({"graphed": True, "kernels_per_step": len(events) / steps, "critical_path_us_per_step": round(total, 1)}))
+    for key in sorted(inc, key=lambda k: -inc[k]):
+        print(json.dumps({"kernel": key[0], "grid": key[1], "calls_per_step": count[key] / steps, "increment_us_per_step": round(inc[key] / steps, 1),
+                          "duration_us_per_step": round(dur[key] / steps, 1), "share": round(inc[key] / steps / total, 3)}))
+    per_step = len(events) // steps
+    for key, step, d in order[per_step: per_step + top]:  # the second step, in launch order
+        print(json.dumps({"seq": key[0], "grid": key[1], "increment_us": round(step, 2), "duration_us": round(d, 2)}))
 
 
 def _host_profile(engine, steps: int, top: int) -> None:
