@@ -1,14 +1,20 @@
-"""Programmatic dependent launch: off where it cannot apply, and every kernel starts with its wait.
+"""Programmatic dependent launch: off where it cannot apply, and no kernel touches memory before its wait.
 
-A kernel launched with PDL that touched memory before `griddepcontrol.wait` could read what the
-previous kernel has not written yet, so every Triton kernel must begin with `pdl.sync(PDL)`.
+A kernel launched with PDL that read or wrote memory before `griddepcontrol.wait` could race with the
+previous kernel, so every Triton kernel calls `pdl.sync(PDL)` before any load or store. Before it
+only an L2 prefetch of weights may come (never written by a kernel), and the one read listed in
+EARLY_READS: data written two launches back, which the previous kernel waited for before it let
+this one start.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 
@@ -32,12 +38,43 @@ def test_kernels_are_found():
     assert {"linear_triton._linear_kernel", "attention_triton._partition_kernel", "moe_triton._gate_up_kernel"} <= KERNELS.keys()
 
 
+EARLY_READS = {"moe_triton._down_kernel": "tl.load(block_expert_ptr + pid_m)"}  # route / align wrote it, then gate_up ran
+
+
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_kernel_starts_with_the_grid_dependency_wait(name):
+def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
     source = inspect.getsource(KERNELS[name].fn)
-    body = source.split("):\n", 1)[1].lstrip()
-    assert body.startswith("pdl.sync(PDL)\n"), f"{name} must start with pdl.sync(PDL)"
     assert "PDL: tl.constexpr" in source
+    before, sync, _ = source.partition("    pdl.sync(PDL)\n")
+    assert sync, f"{name} must call pdl.sync(PDL)"
+    if name in EARLY_READS:
+        before = before.replace(EARLY_READS[name], "", 1)
+    for access in ("tl.load", "tl.store", "tl.atomic", "tl.histogram"):
+        assert access not in before, f"{name}: {access} before pdl.sync(PDL)"
+
+
+_SM90_PTX = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from freetoken.kernels import linear_triton
+
+signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "y_ptr")} | {"part_ptr": "*fp32", "lock_ptr": "*i32"}
+signature |= {name: "i32" for name in ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym")}
+constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 8, "DOT_F32": False, "PREFETCH": True, "PDL": True}
+signature |= {name: "constexpr" for name in constants}
+names = list(signature)
+source = ASTSource(linear_triton._linear_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 3, "launch_pdl": True}).asm["ptx"])
+"""
+
+
+def test_linear_prefetches_before_the_wait_in_the_sm90_build():
+    """Compile (no GPU needed; a process outside the interpreter) the linear kernel for sm_90 with PDL
+    and the weight prefetch: the PTX queues the L2 bulk prefetch, then waits, then releases the next kernel."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    ptx = subprocess.run([sys.executable, "-c", _SM90_PTX], env=env, capture_output=True, text=True, check=True).stdout
+    order = [ptx.find(op) for op in ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait", "griddepcontrol.launch_dependents")]
+    assert -1 not in order and order == sorted(order)
 
 
 def test_off_without_a_hopper_gpu_or_when_disabled(monkeypatch):

@@ -170,18 +170,20 @@ def gdn_chunked_prefill(state, q, k, v, g, beta, batch: SeqBatch, out=None):
     return gdn_chunk_ref.gdn_chunked_batched(state, q, k, v, g, beta, batch, out)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None, with_shared: bool = False, first: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, RowBlocks | None]:
+def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None, with_shared: bool = False, first: int = 0, count: int | None = None, gate_up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, RowBlocks | None]:
     """Router logits [N, E] -> (experts [N, top_k], their renormalised softmax weights [N, top_k] in dtype
     (default logits.dtype), blocks); softmax and renormalisation in fp32. with_shared: experts
     [N, top_k + 1] with column top_k = E, the shared expert held as one more expert. blocks: on the
     Triton path for few rows, the expert GEMMs' row blocks for the experts [first, first + count)
     (default all), written by the routing launch (moe_triton.RowBlocks); else None. Pass them on to
-    moe_experts / moe_experts_with_shared, which then launch no layout kernel."""
+    moe_experts / moe_experts_with_shared, which then launch no layout kernel. gate_up: the held
+    experts' [count, 2I, H] weights, which the Triton path may prefetch into L2 for the chosen experts
+    (no result depends on it)."""
     dtype = dtype or logits.dtype
     if use_triton(logits):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.route(logits, top_k, dtype, with_shared, first, count)
+        return moe_triton.route(logits, top_k, dtype, with_shared, first, count, gate_up)
     from freetoken.kernels import moe_ref
 
     return (*moe_ref.route(logits, top_k, dtype, with_shared), None)

@@ -81,9 +81,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         router, shared_gate = self._gates(x)
         if self.stacked is not None and kernels.use_triton(x):
-            experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, with_shared=True)  # [N, top_k + 1], [N, top_k]
+            experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, with_shared=True, gate_up=self.stacked[0])  # [N, top_k + 1], [N, top_k]
             return kernels.moe_experts_with_shared(x, experts, weights, *self.stacked, shared_gate, blocks)
-        experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, first=self.experts.first, count=self.experts.count)  # [N, top_k]
+        experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, first=self.experts.first, count=self.experts.count, gate_up=self.experts.gate_up_proj)  # [N, top_k]
         routed = (x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)
         if self.parallel.is_parallel:
             acc = self.parallel.all_reduce(kernels.moe_experts(*routed, blocks=blocks))  # [N, H] fp32
