@@ -5,8 +5,8 @@ fresh engine (so its CUDA graphs are captured with the variant) and times a gree
 `freetoken bench` does, plus the replay of the one-row decode graph. One JSON line per variant.
 
     python bench/variants.py --shape qwen3.5-35b-a3b \\
-        --variant base linear_triton.PREFETCH_MAX_BYTES=0 moe_triton.PREFETCH=0 \\
-        --variant prefetch
+        --variant unfused kernels.FUSE_MOE_ENTRY=0 moe_triton.PREFETCH=0 \\
+        --variant shipped
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ def _parse(variant: list[str]) -> tuple[str, list[tuple[object, str, int]]]:
     for item in variant[1:]:
         target, value = item.split("=")
         module, attr = target.rsplit(".", 1)
-        settings.append((importlib.import_module(f"freetoken.kernels.{module}"), attr, int(value)))
+        settings.append((importlib.import_module("freetoken.kernels" + ("" if module == "kernels" else f".{module}")), attr, int(value)))
     return name, settings
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3.5-35b-a3b")
-    ap.add_argument("--variant", nargs="+", action="append", required=True, help="NAME [module.ATTR=INT ...]")
+    ap.add_argument("--variant", nargs="+", action="append", required=True, help="NAME [module.ATTR=INT ...] (module of freetoken.kernels, or kernels itself)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="times each variant is run, interleaved")

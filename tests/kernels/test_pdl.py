@@ -56,20 +56,20 @@ def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
 _SM90_PTX = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from freetoken.kernels import linear_triton
+from freetoken.kernels import moe_triton
 
-signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "y_ptr")} | {"part_ptr": "*fp32", "lock_ptr": "*i32"}
-signature |= {name: "i32" for name in ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym")}
-constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 8, "DOT_F32": False, "PREFETCH": True, "PDL": True}
+signature = {name: "*bf16" for name in ("h_ptr", "w_ptr", "out_ptr")} | {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
+signature |= {name: "i32" for name in ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om")}
+constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_F32": False, "PREFETCH": True, "PDL": True}
 signature |= {name: "constexpr" for name in constants}
 names = list(signature)
-source = ASTSource(linear_triton._linear_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
-print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 3, "launch_pdl": True}).asm["ptx"])
+source = ASTSource(moe_triton._down_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 5, "launch_pdl": True}).asm["ptx"])
 """
 
 
-def test_linear_prefetches_before_the_wait_in_the_sm90_build():
-    """Compile (no GPU needed; a process outside the interpreter) the linear kernel for sm_90 with PDL
+def test_down_prefetches_before_the_wait_in_the_sm90_build():
+    """Compile (no GPU needed; a process outside the interpreter) the MoE down kernel for sm_90 with PDL
     and the weight prefetch: the PTX queues the L2 bulk prefetch, then waits, then releases the next kernel."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     ptx = subprocess.run([sys.executable, "-c", _SM90_PTX], env=env, capture_output=True, text=True, check=True).stdout

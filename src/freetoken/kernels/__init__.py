@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from freetoken.kernels.moe_triton import RowBlocks
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
+FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add+norm, gates linear, route; for A/B timing)
 
 
 @functools.cache
@@ -170,23 +171,35 @@ def gdn_chunked_prefill(state, q, k, v, g, beta, batch: SeqBatch, out=None):
     return gdn_chunk_ref.gdn_chunked_batched(state, q, k, v, g, beta, batch, out)
 
 
-def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None, with_shared: bool = False, first: int = 0, count: int | None = None, gate_up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, RowBlocks | None]:
+def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None, with_shared: bool = False, first: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, RowBlocks | None]:
     """Router logits [N, E] -> (experts [N, top_k], their renormalised softmax weights [N, top_k] in dtype
     (default logits.dtype), blocks); softmax and renormalisation in fp32. with_shared: experts
     [N, top_k + 1] with column top_k = E, the shared expert held as one more expert. blocks: on the
     Triton path for few rows, the expert GEMMs' row blocks for the experts [first, first + count)
     (default all), written by the routing launch (moe_triton.RowBlocks); else None. Pass them on to
-    moe_experts / moe_experts_with_shared, which then launch no layout kernel. gate_up: the held
-    experts' [count, 2I, H] weights, which the Triton path may prefetch into L2 for the chosen experts
-    (no result depends on it)."""
+    moe_experts / moe_experts_with_shared, which then launch no layout kernel."""
     dtype = dtype or logits.dtype
     if use_triton(logits):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.route(logits, top_k, dtype, with_shared, first, count, gate_up)
+        return moe_triton.route(logits, top_k, dtype, with_shared, first, count)
     from freetoken.kernels import moe_ref
 
     return (*moe_ref.route(logits, top_k, dtype, with_shared), None)
+
+
+def moe_add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gates: torch.Tensor, top_k: int, with_shared: bool = False, first: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, RowBlocks | None]:
+    """A MoE block's entry: s = x + residual, h = zc_rms_norm(s), the merged gates [E + 1, H] (router rows,
+    then the shared-expert gate) applied to h, and the routing of the router logits ->
+    (s, h, experts, weights, shared-gate logits [N, 1], blocks), as add_zc_rms_norm, linear and
+    moe_route give them; one launch on the Triton path."""
+    if use_triton(x):
+        from freetoken.kernels import moe_gate_triton
+
+        return moe_gate_triton.add_norm_route(x, residual, norm_weight, eps, gates, top_k, with_shared, first, count)
+    s, h = add_zc_rms_norm(x, residual, norm_weight, eps)
+    logits = linear(h, gates)
+    return (s, h, *moe_route(logits[:, :-1], top_k, x.dtype, with_shared, first, count)[:2], logits[:, -1:], None)
 
 
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None, blocks: RowBlocks | None = None) -> torch.Tensor:
@@ -228,6 +241,7 @@ __all__ = [
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
     "linear",
+    "moe_add_norm_route",
     "moe_experts",
     "moe_experts_with_shared",
     "moe_route",

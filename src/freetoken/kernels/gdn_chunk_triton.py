@@ -132,7 +132,8 @@ def _chain_kernel(
         k = tl.load(k_ptr + rows[:, None] * k_row + h * k_head + ks[None, :], mask=mrk, other=0.0)
         k_decayed = k * tl.exp(last - cum)[:, None]
         s = s * tl.exp(last) + tl.dot(tl.trans(k_decayed), delta, input_precision="ieee")
-    tl.store(s_ptrs, s, mask=s_mask & (count > 0))
+    if count > 0:
+        tl.store(s_ptrs, s, mask=s_mask)
 
 
 def _chunk_table(batch: SeqBatch) -> torch.Tensor:  # [2, num_chunks] int32: first row, length

@@ -30,10 +30,6 @@ from freetoken.kernels.compat_triton import INTERPRET
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
-# A weight of at most this many bytes is prefetched whole into L2 before the PDL wait (each program
-# its own rows and K slice), so it streams while the previous kernel runs. Larger weights stream as
-# they are read (a prefetch of the start of each row measured slower at the 9B shape).
-PREFETCH_MAX_BYTES = 24 << 20
 
 
 @dataclass(frozen=True)
@@ -50,9 +46,9 @@ def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -63,10 +59,6 @@ def _linear_kernel(
     col_ok = cols < N
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if PREFETCH:  # this program's weight rows over its K slice (the first M tile's programs only)
-        elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        pdl.prefetch_l2(w_ptr + cols * stride_wn + k_begin, (k_end - k_begin) * elem_bytes, col_ok & (pid_m == 0))
-    pdl.sync(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile: the weight is the dot's wide operand
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + ks
@@ -145,7 +137,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     cfg = cfg or config_for(n, k, weight.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
-    prefetch = _prefetches(weight, k_per_split)
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
@@ -153,18 +144,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET, PREFETCH=prefetch,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return y
-
-
-def _prefetches(weight: torch.Tensor, k_per_split: int) -> bool:
-    """Whether the kernel prefetches this weight into L2 before its PDL wait: a small weight whose
-    rows and K slices start 16-byte aligned (the bulk prefetch's unit)."""
-    size = weight.element_size()
-    return (
-        pdl.enabled() and weight.numel() * size <= PREFETCH_MAX_BYTES
-        and weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0
-        and k_per_split * size % 16 == 0 and weight.shape[1] * size % 16 == 0
-    )

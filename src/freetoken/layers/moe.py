@@ -80,10 +80,27 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         router, shared_gate = self._gates(x)
-        if self.stacked is not None and kernels.use_triton(x):
-            experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, with_shared=True, gate_up=self.stacked[0])  # [N, top_k + 1], [N, top_k]
+        stacked = self.stacked is not None and kernels.use_triton(x)
+        routing = kernels.moe_route(router, self.top_k, x.dtype, with_shared=stacked, first=0 if stacked else self.experts.first,
+                                    count=None if stacked else self.experts.count)
+        return self._experts(x, *routing, shared_gate, stacked)
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block(norm(x + residual)), x + residual): on the Triton path with merged gates the add, the
+        norm, the gates and the routing are one launch (`kernels.moe_add_norm_route`); [N, H] each."""
+        if self.gates_weight is None or not kernels.use_triton(x) or not kernels.FUSE_MOE_ENTRY:
+            residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
+            return self(h), residual
+        stacked = self.stacked is not None
+        residual, h, experts, weights, shared_gate, blocks = kernels.moe_add_norm_route(
+            x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, with_shared=stacked,
+            first=0 if stacked else self.experts.first, count=None if stacked else self.experts.count,
+        )
+        return self._experts(h, experts, weights, blocks, shared_gate, stacked), residual
+
+    def _experts(self, x, experts, weights, blocks, shared_gate, stacked: bool) -> torch.Tensor:  # routed (and shared) experts of x [N, H] -> [N, H]
+        if stacked:  # experts [N, top_k + 1], weights [N, top_k]
             return kernels.moe_experts_with_shared(x, experts, weights, *self.stacked, shared_gate, blocks)
-        experts, weights, blocks = kernels.moe_route(router, self.top_k, x.dtype, first=self.experts.first, count=self.experts.count, gate_up=self.experts.gate_up_proj)  # [N, top_k]
         routed = (x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)
         if self.parallel.is_parallel:
             acc = self.parallel.all_reduce(kernels.moe_experts(*routed, blocks=blocks))  # [N, H] fp32

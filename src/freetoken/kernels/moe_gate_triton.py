@@ -1,0 +1,124 @@
+"""A sparse MoE block's entry in one launch (Triton): residual add + zero-centred RMSNorm, the router
+and shared-expert gate logits, and the routing.
+
+Unfused, the block starts with three launches: `add_zc_rms_norm` (s = x + residual, h = norm(s)), the
+linear of the merged [E + 1, H] gates weight (router | shared gate) and `moe_triton.route`. At decode
+each is short and the launches' ramps cost more than their bytes. Here program (token, g) recomputes
+the token's add + norm (one row: cheap), writes s and h if g == 0, and computes GATE_ROWS of the
+token's E + 1 gate logits; the program that arrives last for the token (a per-token counter, as in
+the split-K linear) reads all of them back and routes the token (`moe_triton._route_token`, so the
+experts, weights and direct row blocks are those of `route`).
+
+Precision follows the unfused ops: s is rounded to x.dtype like a torch add, h exactly as
+`_add_zc_rms_norm_kernel` computes it (same block, same warps, so the same reduction), and each logit
+is the fp32 dot of h with its weight row, rounded to x.dtype as the linear's output is (its summation
+order differs from the linear kernel's, so logits may differ from the unfused path in the last bit).
+One token per program and a launch configuration fixed by the shapes: a token's bits never depend on
+the other tokens of the launch (row invariance).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels import moe_triton, pdl
+
+GATE_ROWS = 8  # gate logits per program: (E + 1) / 8 programs per token, 33 at E = 256
+MAX_TOKENS_PER_LAUNCH = 1024  # bounds the per-token counters; longer calls are cut (no bits change)
+NUM_WARPS = 4  # as `add_zc_rms_norm` at H <= 4096, so h has its bits
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit(do_not_specialize=["T"])
+def _add_norm_route_kernel(
+    x_ptr, r_ptr, norm_w_ptr, s_ptr, h_ptr,
+    gates_ptr, logits_ptr, count_ptr,
+    experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+    H, G, E, eps, stride_x, stride_r, stride_s, stride_h, stride_g, stride_l, T, first, C,
+    BLOCK_H: tl.constexpr, GATE_ROWS: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl.sync(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    pid_g = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
+    r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)  # rounded like a torch add
+    sf = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
+    w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (sf * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty)
+    if pid_g == 0:
+        tl.store(s_ptr + token * stride_s + cols, s, mask=mask)
+        tl.store(h_ptr + token * stride_h + cols, h, mask=mask)
+    rows = pid_g * GATE_ROWS + tl.arange(0, GATE_ROWS)
+    gw = tl.load(gates_ptr + rows[:, None] * stride_g + cols[None, :], mask=(rows[:, None] < G) & mask[None, :], other=0.0)
+    logits = tl.sum(gw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
+    tl.store(logits_ptr + token * stride_l + rows, logits.to(logits_ptr.dtype.element_ty), mask=rows < G)
+    tl.debug_barrier()  # every thread's logits are written before the counter moves
+    arrived = tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:  # the token's last program: all its logits are in
+        tl.debug_barrier()
+        experts = tl.arange(0, BLOCK_E)
+        router = tl.load(logits_ptr + token * stride_l + experts, mask=experts < E, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
+        moe_triton._route_token(router, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
+                                TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, BLOCK_M, DIRECT)
+        tl.atomic_xchg(count_ptr + token, 0, sem="relaxed", scope="gpu")
+
+
+def _token_counters(device: torch.device) -> torch.Tensor:
+    """int32 [MAX_TOKENS_PER_LAUNCH] kept at zero between launches (made on first use, before any graph capture)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_TOKENS_PER_LAUNCH, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def add_norm_route(
+    x: torch.Tensor,  # [N, H] the mixer's output
+    residual: torch.Tensor,  # [N, H]
+    norm_weight: torch.Tensor,  # [H] zero-centred (post-attention) norm
+    eps: float,
+    gates: torch.Tensor,  # [E + 1, H] router rows, then the shared-expert gate row
+    top_k: int,
+    with_shared: bool = False,
+    first: int = 0,
+    count: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, moe_triton.RowBlocks | None]:
+    """-> (s = x + residual, h = norm(s) * (1 + w), experts [N, top_k (+ 1)] int32, weights [N, top_k],
+    shared-gate logits [N, 1], row blocks): `add_zc_rms_norm`, the gates linear and `moe_triton.route`
+    (its arguments, its results) in one launch."""
+    n, hidden = x.shape
+    num_gates = gates.shape[0]
+    num_experts = num_gates - 1
+    assert gates.shape[1] == hidden and gates.stride(1) == 1, f"add_norm_route: gates {tuple(gates.shape)} for hidden {hidden}"
+    assert triton.next_power_of_2(hidden) <= 4096, "add_norm_route: one row of at most 4096 features per program (NUM_WARPS)"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    row_k = top_k + int(with_shared)
+    count = num_experts + int(with_shared) if count is None else count
+    rows = n * row_k
+    s, h = torch.empty_like(x), torch.empty_like(x)
+    logits = torch.empty((n, num_gates), dtype=x.dtype, device=x.device)
+    experts = torch.empty((n, row_k), dtype=torch.int32, device=x.device)
+    weights = torch.empty((n, top_k), dtype=x.dtype, device=x.device)
+    blocks = moe_triton._direct_buffers(rows, first, count, x.device) if moe_triton.is_direct(rows) else None
+    counters = _token_counters(x.device)
+    for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):
+        tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
+        _add_norm_route_kernel[(tokens, triton.cdiv(num_gates, GATE_ROWS))](
+            x[t0:], residual[t0:], norm_weight, s[t0:], h[t0:],
+            gates, logits[t0:], counters,
+            experts[t0:], weights[t0:], *(blocks[:2] if blocks else (experts, experts)),
+            hidden, num_gates, num_experts, eps, x.stride(0), residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
+            rows, first, count,
+            BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS,
+            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k,
+            BLOCK_M=moe_triton.BLOCK_M, DIRECT=blocks is not None, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
+        )
+    return s, h, experts, weights, logits[:, num_experts:], blocks

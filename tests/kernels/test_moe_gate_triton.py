@@ -1,0 +1,74 @@
+"""The fused MoE entry (`moe_gate_triton.add_norm_route`) vs the unfused ops it replaces.
+
+s and h have the bits of the Triton `add_zc_rms_norm`; the shared-gate logit is the torch dot within
+rounding; experts, weights and direct row blocks are those of `moe_triton.route` on the torch logits
+(the gate rows are built so that a token's logits are well spaced: no near-ties). A token's results
+are the same bits alone, in a batch, and when the batch is cut into several launches; the per-token
+counters are back at zero after every launch.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tests.kernels.conftest import DEVICES  # noqa: E402
+
+from freetoken.kernels import moe_gate_triton, moe_ref, moe_triton, norm_triton  # noqa: E402
+
+EPS = 1e-6
+
+
+def _inputs(n, hidden, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hidden, generator=gen).to(dtype).to(device)
+    residual = torch.randn(n, hidden, generator=gen).to(dtype).to(device)
+    norm_w = (0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+    return x, residual, norm_w
+
+
+def _spaced_gates(h, num_experts, seed):
+    """[E + 1, H] gates whose router logits for the one token h [H] are a shuffle of values 0.25 apart
+    (rank one: row e = value_e * h / |h|^2), then a random shared-gate row."""
+    gen = torch.Generator().manual_seed(seed)
+    hf = h.float().cpu()
+    values = (torch.arange(num_experts) - num_experts / 2) * 0.25
+    rows = values[torch.randperm(num_experts, generator=gen)][:, None] * hf[None, :] / hf.dot(hf)
+    return torch.cat([rows, torch.randn(1, hf.numel(), generator=gen) / hf.numel() ** 0.5]).to(h.dtype).to(h.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_matches_the_unfused_ops(device, dtype, with_shared):
+    hidden, num_experts, top_k = 64, 12, 3
+    x, residual, norm_w = _inputs(1, hidden, dtype, device, seed=1)
+    want_s, want_h = norm_triton.add_zc_rms_norm(x, residual, norm_w, EPS)
+    gates = _spaced_gates(want_h[0], num_experts, seed=2)
+    s, h, experts, weights, shared_gate, blocks = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared)
+    assert torch.equal(s, want_s) and torch.equal(h, want_h)
+    logits = (want_h.float() @ gates.float().T).to(dtype)
+    torch.testing.assert_close(shared_gate, logits[:, -1:], rtol=2e-2, atol=2e-2)
+    want_experts, want_weights, want_blocks = moe_triton.route(logits[:, :-1], top_k, dtype, with_shared)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-2, atol=1e-2)
+    assert torch.equal(experts[:, :top_k].cpu().long(), moe_ref.route(logits[:, :-1].cpu(), top_k, dtype)[0])
+    assert blocks is not None and torch.equal(blocks.sorted_ids, want_blocks.sorted_ids) and torch.equal(blocks.block_expert, want_blocks.block_expert)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_token_has_the_same_bits_alone_in_a_batch_and_across_launches(device, monkeypatch):
+    hidden, num_experts, top_k, n = 64, 12, 3, 9
+    x, residual, norm_w = _inputs(n, hidden, torch.bfloat16, device, seed=3)
+    gates = (torch.randn(num_experts + 1, hidden, generator=torch.Generator().manual_seed(4)) / 8).to(torch.bfloat16).to(device)
+    batch = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
+    assert batch[5] is None  # 9 tokens x 4 rows > DIRECT_MAX_ROWS: no direct blocks
+    monkeypatch.setattr(moe_gate_triton, "MAX_TOKENS_PER_LAUNCH", 4)
+    cut = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
+    for got, want in zip(cut[:5], batch[:5]):
+        assert torch.equal(got, want)
+    for t in range(n):
+        alone = moe_gate_triton.add_norm_route(x[t : t + 1], residual[t : t + 1], norm_w, EPS, gates, top_k, with_shared=True)
+        for got, want in zip(alone[:5], batch[:5]):
+            assert torch.equal(got, want[t : t + 1]), f"token {t}"
+    assert not moe_gate_triton._token_counters(x.device).any()
