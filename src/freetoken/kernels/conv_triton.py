@@ -38,8 +38,9 @@ def _conv_kernel(
         acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
         for j in tl.static_range(KW):
             p = t + j  # index into window ++ rows
-            from_win = tl.load(win + p * win_t + cs, mask=mc & (p < KW - 1), other=0.0)
-            from_rows = tl.load(x_ptr + (start + p - (KW - 1)) * x_row + cs, mask=mc & (p >= KW - 1), other=0.0)
+            in_win = tl.zeros_like(cs) + p < KW - 1  # per lane (a scalar-and-tensor mask is refused by triton 3.9's interpreter)
+            from_win = tl.load(win + p * win_t + cs, mask=mc & in_win, other=0.0)
+            from_rows = tl.load(x_ptr + (start + p - (KW - 1)) * x_row + cs, mask=mc & ~in_win, other=0.0)
             xj = tl.where(p < KW - 1, from_win, from_rows).to(tl.float32)
             wj = tl.load(w_ptr + cs * w_c + j, mask=mc, other=0.0).to(tl.float32)
             if j == 0:
