@@ -2,9 +2,9 @@
 
 Nothing here reads device data on the host, so the whole block can be captured in a CUDA graph:
 every buffer, grid size and layout choice follows from N (tokens), top_k, E (router experts) and C
-(experts held by this rank). One SparseMoE forward on this path is four launches here (route,
-gate_up, down, combine) for up to DIRECT_MAX_ROWS routed rows, five (align too) above, besides the
-linear of the merged router | shared-gate projection. When the block holds its shared expert as
+(experts held by this rank). Routing is `route` after the merged router | shared-gate linear, or
+(in the model) `moe_gate_triton.add_norm_route`, which fuses it with the residual add, the norm and
+that linear; then gate_up, down and combine (align too above DIRECT_MAX_ROWS routed rows). When the block holds its shared expert as
 expert E of the stacked weights [E + 1, ...] (`moe_experts_with_shared`), the shared expert is one
 more routed row of every token and needs no launches of its own; otherwise (`moe_experts`) it runs
 as a dense MLP before the combine.
@@ -41,6 +41,8 @@ Kernels:
             block's expert, then silu(gate) * up -> hidden [blocks * BLOCK_M, I], with the roundings
             of the dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
   down      `_down_kernel`: hidden @ down[e]^T -> out [T, H] in x.dtype, scattered back to flat rows.
+            In the direct layout (PREFETCH) a program first queues an L2 prefetch of its block's
+            expert rows, before its PDL wait: the row blocks were written two launches back.
   combine   `_combine_kernel`: per token, its routed (first top_k) experts held here in ascending
             id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
             does). Given the shared expert's output (a tensor, or the token's row of `out` for

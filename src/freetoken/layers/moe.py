@@ -11,12 +11,14 @@ experts' and the shared MLP's parameters become views of them): every token is r
 more row of the grouped GEMMs, and the combine adds it gated. Otherwise the shared expert runs as a
 dense MLP and the combine adds its output. The torch path is unchanged by either.
 
-Launches per block on the Triton path, merged: at small decode and verify sizes (N * R <= 32 routed rows,
-R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) the route launch also writes the
-expert GEMMs' row blocks (one row per block), so a stacked block is five launches (merged gates
-linear, route, gate_up, down, combine) and one with a dense shared MLP eight (those five and the
-MLP's gate_up linear, silu_mul and down linear). Above that, the rows are grouped by expert first
-(align): one launch more. A row's result has the same bits either way.
+Launches per block on the Triton path, merged: the decoder layer hands the block the mixer's output
+and the residual (`add_norm_forward`), and one launch does the residual add, the post-attention norm,
+the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode and verify sizes
+(N * R <= 32 routed rows, R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) it also
+writes the expert GEMMs' row blocks (one row per block), so with the stacked shared expert the add,
+norm and block are four launches (that one, gate_up, down, combine), and with a dense shared MLP
+seven (and the MLP's gate_up linear, silu_mul and down linear). Above that, the rows are grouped by
+expert first (align): one launch more. A row's result has the same bits either way.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
