@@ -2,9 +2,9 @@
 
 A kernel launched with PDL that read or wrote memory before `griddepcontrol.wait` could race with the
 previous kernel, so every Triton kernel calls `pdl.sync(PDL)` before any load or store. Before it
-only an L2 prefetch of weights may come (never written by a kernel), and the one read listed in
-EARLY_READS: data written two launches back, which the previous kernel waited for before it let
-this one start.
+only weights may be read or prefetched (never written by a kernel: the loads listed in EARLY_READS),
+and the down kernel's row blocks, written two launches back, which the previous kernel waited for
+before it let this one start.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ def test_kernels_are_found():
     assert {"linear_triton._linear_kernel", "attention_triton._partition_kernel", "moe_triton._gate_up_kernel"} <= KERNELS.keys()
 
 
-EARLY_READS = {"moe_triton._down_kernel": "tl.load(block_expert_ptr + pid_m)"}  # route / align wrote it, then gate_up ran
+EARLY_READS = {  # kernel -> the loads it may issue before its wait
+    "moe_triton._down_kernel": ["tl.load(block_expert_ptr + pid_m)"],  # route / align wrote it, then gate_up ran
+    "linear_triton._linear_kernel": ["tl.load(w_ptrs + k0,"],  # weight
+    "moe_gate_triton._add_norm_route_kernel": ["tl.load(gates_ptr", "tl.load(norm_w_ptr"],  # weights
+}
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -47,8 +51,9 @@ def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
     assert "PDL: tl.constexpr" in source
     before, sync, _ = source.partition("    pdl.sync(PDL)\n")
     assert sync, f"{name} must call pdl.sync(PDL)"
-    if name in EARLY_READS:
-        before = before.replace(EARLY_READS[name], "", 1)
+    for read in EARLY_READS.get(name, []):
+        assert read in before, f"{name}: {read} is listed but not found before the wait"
+        before = before.replace(read, "", 1)
     for access in ("tl.load", "tl.store", "tl.atomic", "tl.histogram"):
         assert access not in before, f"{name}: {access} before pdl.sync(PDL)"
 

@@ -42,23 +42,24 @@ def _add_norm_route_kernel(
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
     BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
     pid_g = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
+    rows = pid_g * GATE_ROWS + tl.arange(0, GATE_ROWS)
+    # The weights are never written by a kernel: loaded before the wait, while the previous kernel runs.
+    gw = tl.load(gates_ptr + rows[:, None] * stride_g + cols[None, :], mask=(rows[:, None] < G) & mask[None, :], other=0.0)
+    w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl.sync(PDL)
     x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
     r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
     s = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)  # rounded like a torch add
     sf = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
-    w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = (sf * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty)
     if pid_g == 0:
         tl.store(s_ptr + token * stride_s + cols, s, mask=mask)
         tl.store(h_ptr + token * stride_h + cols, h, mask=mask)
-    rows = pid_g * GATE_ROWS + tl.arange(0, GATE_ROWS)
-    gw = tl.load(gates_ptr + rows[:, None] * stride_g + cols[None, :], mask=(rows[:, None] < G) & mask[None, :], other=0.0)
     logits = tl.sum(gw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     tl.store(logits_ptr + token * stride_l + rows, logits.to(logits_ptr.dtype.element_ty), mask=rows < G)
     tl.debug_barrier()  # every thread's logits are written before the counter moves
