@@ -5,6 +5,7 @@
 #
 #     bash bench/gpu_check.sh [FIXTURES_DIR]      # FIXTURES_DIR defaults to ../shared/fixtures
 set -uo pipefail
+export TRITON_INTERPRET=0  # the kernel tests default to the CPU interpreter (tests/kernels/conftest.py)
 OUT=${OUT:-bench/results/gpu-check}
 FIXTURES=${1:-../shared/fixtures}
 mkdir -p "$OUT"

@@ -2,9 +2,7 @@
 
 A kernel launched with PDL that read or wrote memory before `griddepcontrol.wait` could race with the
 previous kernel, so every Triton kernel calls `pdl.sync(PDL)` before any load or store. Before it
-only weights may be read or prefetched (never written by a kernel: the loads listed in EARLY_READS),
-and the down kernel's row blocks, written two launches back, which the previous kernel waited for
-before it let this one start.
+only weights may be read (never written by a kernel): the loads listed in EARLY_READS.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ def test_kernels_are_found():
 
 
 EARLY_READS = {  # kernel -> the loads it may issue before its wait
-    "moe_triton._down_kernel": ["tl.load(block_expert_ptr + pid_m)"],  # route / align wrote it, then gate_up ran
     "linear_triton._linear_kernel": ["tl.load(w_ptrs + k0,"],  # weight
     "moe_gate_triton._add_norm_route_kernel": ["tl.load(gates_ptr", "tl.load(norm_w_ptr"],  # weights
 }
@@ -61,24 +58,24 @@ def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
 _SM90_PTX = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from freetoken.kernels import moe_triton
+from freetoken.kernels import linear_triton
 
-signature = {name: "*bf16" for name in ("h_ptr", "w_ptr", "out_ptr")} | {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
-signature |= {name: "i32" for name in ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om")}
-constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "DOT_F32": False, "PREFETCH": True, "PDL": True}
+signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "y_ptr")} | {"part_ptr": "*fp32", "lock_ptr": "*i32"}
+signature |= {name: "i32" for name in ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym")}
+constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 8, "DOT_F32": False, "PRELOAD": True, "PDL": True}
 signature |= {name: "constexpr" for name in constants}
 names = list(signature)
-source = ASTSource(moe_triton._down_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
-print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 5, "launch_pdl": True}).asm["ptx"])
+source = ASTSource(linear_triton._linear_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 3, "launch_pdl": True}).asm["ptx"])
 """
 
 
-def test_down_prefetches_before_the_wait_in_the_sm90_build():
-    """Compile (no GPU needed; a process outside the interpreter) the MoE down kernel for sm_90 with PDL
-    and the weight prefetch: the PTX queues the L2 bulk prefetch, then waits, then releases the next kernel."""
+def test_linear_loads_its_first_weight_tile_before_the_wait_in_the_sm90_build():
+    """Compile (no GPU needed; a process outside the interpreter) the linear kernel for sm_90 with PDL
+    and PRELOAD: the PTX loads from global memory, then waits, then releases the next kernel."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     ptx = subprocess.run([sys.executable, "-c", _SM90_PTX], env=env, capture_output=True, text=True, check=True).stdout
-    order = [ptx.find(op) for op in ("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait", "griddepcontrol.launch_dependents")]
+    order = [ptx.find(op) for op in ("ld.global", "griddepcontrol.wait", "griddepcontrol.launch_dependents")]
     assert -1 not in order and order == sorted(order)
 
 

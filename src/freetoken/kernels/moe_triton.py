@@ -41,8 +41,6 @@ Kernels:
             block's expert, then silu(gate) * up -> hidden [blocks * BLOCK_M, I], with the roundings
             of the dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
   down      `_down_kernel`: hidden @ down[e]^T -> out [T, H] in x.dtype, scattered back to flat rows.
-            In the direct layout (PREFETCH) a program first queues an L2 prefetch of its block's
-            expert rows, before its PDL wait: the row blocks were written two launches back.
   combine   `_combine_kernel`: per token, its routed (first top_k) experts held here in ascending
             id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
             does). Given the shared expert's output (a tensor, or the token's row of `out` for
@@ -76,15 +74,15 @@ BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows pa
 # more than the align launch saves.
 DIRECT_MAX_ROWS = 32
 # GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
-GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5  # chosen by bench/moe_speed.py on the H200
+# gate_up: 32 features a program (144 programs for one token's 8 + 1 rows) measured 2.78 against 2.86 ms a
+# 35B-A3B decode step with 64 (bench/variants.py, H200); the rest from bench/moe_speed.py.
+GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 32, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
 BLOCK_H = 128  # hidden features per combine program
-# Decode-sized calls (direct layout) prefetch each down block's expert rows into L2 before the PDL
-# wait, while gate_up runs (H200, 35B-A3B shape: down 8.4-9.6 -> 7.8 us a layer on the critical path).
-PREFETCH = True
+
 
 
 @triton.jit
@@ -242,25 +240,18 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        # The row blocks were written two launches back (route or align, then gate_up): gate_up
-        # waited for them before it let this launch start, so they can be read before this wait,
-        # and this block's expert rows prefetched into L2 while gate_up runs.
-        e_early = tl.load(block_expert_ptr + pid_m)
-        elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        pdl.prefetch_l2(w_ptr + e_early.to(tl.int64) * stride_we + cols * stride_wn, I * elem_bytes + 0 * cols, (cols < H) & (e_early < C))
-    pdl.sync(PDL)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= C:
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -366,12 +357,6 @@ def route(
     return experts, weights, blocks
 
 
-def _prefetchable(w: torch.Tensor) -> bool:
-    """Whether the down kernel may prefetch rows of the stacked expert weight `w` [C, H, I] (contiguous):
-    PDL on and every row 16-byte aligned."""
-    return PREFETCH and pdl.enabled() and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
-
-
 def direct_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
     """experts [N, R] global ids (contiguous) -> the direct layout: block t holds flat row t alone."""
     n, row_k = experts.shape
@@ -438,7 +423,7 @@ def _expert_rows(
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        PREFETCH=is_direct(rows) and _prefetchable(down), num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
+        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     return out
 
