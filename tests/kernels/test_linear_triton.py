@@ -76,15 +76,3 @@ def test_split_k_rows_are_invariant_and_launches_cut_cleanly(device, monkeypatch
     monkeypatch.setattr(linear_triton, "MAX_ROWS_PER_LAUNCH", 16)  # several launches of one config
     assert torch.equal(linear_triton.linear(x, w), full)
 
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_preloaded_first_tile_changes_no_bits(device, monkeypatch):
-    """PRELOAD peels the K loop's first step (its weight tile loaded before the PDL wait): same dots, same order."""
-    gen = torch.Generator().manual_seed(3)
-    for m, k, n in shapes(device):
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).to(device)
-        monkeypatch.setattr(linear_triton, "PRELOAD", True)
-        preloaded = linear_triton.linear(x, w)
-        monkeypatch.setattr(linear_triton, "PRELOAD", False)
-        assert torch.equal(preloaded, linear_triton.linear(x, w)), (m, k, n)

@@ -37,7 +37,6 @@ def test_kernels_are_found():
 
 
 EARLY_READS = {  # kernel -> the loads it may issue before its wait
-    "linear_triton._linear_kernel": ["tl.load(w_ptrs + k0,"],  # weight
     "moe_gate_triton._add_norm_route_kernel": ["tl.load(gates_ptr", "tl.load(norm_w_ptr"],  # weights
 }
 
@@ -58,21 +57,24 @@ def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
 _SM90_PTX = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from freetoken.kernels import linear_triton
+from freetoken.kernels import moe_gate_triton
 
-signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "y_ptr")} | {"part_ptr": "*fp32", "lock_ptr": "*i32"}
-signature |= {name: "i32" for name in ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym")}
-constants = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 8, "DOT_F32": False, "PRELOAD": True, "PDL": True}
+pointers = ("x_ptr", "r_ptr", "norm_w_ptr", "s_ptr", "h_ptr", "gates_ptr", "logits_ptr", "count_ptr",
+            "experts_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr")
+signature = {name: "*i32" if name in ("count_ptr", "experts_ptr", "sorted_ids_ptr", "block_expert_ptr") else "*bf16" for name in pointers}
+signature |= {name: "i32" for name in ("H", "G", "E")} | {"eps": "fp32"}
+signature |= {name: "i32" for name in ("stride_x", "stride_r", "stride_s", "stride_h", "stride_g", "stride_l", "T", "first", "C")}
+constants = {"BLOCK_H": 2048, "GATE_ROWS": 8, "TOP_K": 8, "TOP_K_POW2": 8, "BLOCK_E": 256, "ROW_K": 9, "BLOCK_M": 16, "DIRECT": True, "PDL": True}
 signature |= {name: "constexpr" for name in constants}
 names = list(signature)
-source = ASTSource(linear_triton._linear_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
-print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 3, "launch_pdl": True}).asm["ptx"])
+source = ASTSource(moe_gate_triton._add_norm_route_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "launch_pdl": True}).asm["ptx"])
 """
 
 
-def test_linear_loads_its_first_weight_tile_before_the_wait_in_the_sm90_build():
-    """Compile (no GPU needed; a process outside the interpreter) the linear kernel for sm_90 with PDL
-    and PRELOAD: the PTX loads from global memory, then waits, then releases the next kernel."""
+def test_moe_entry_loads_its_gate_rows_before_the_wait_in_the_sm90_build():
+    """Compile (no GPU needed; a process outside the interpreter) the fused MoE entry for sm_90 with PDL:
+    the PTX loads from global memory (the gate rows), then waits, then releases the next kernel."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     ptx = subprocess.run([sys.executable, "-c", _SM90_PTX], env=env, capture_output=True, text=True, check=True).stdout
     order = [ptx.find(op) for op in ("ld.global", "griddepcontrol.wait", "griddepcontrol.launch_dependents")]

@@ -30,7 +30,6 @@ from freetoken.kernels.compat_triton import INTERPRET
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
-PRELOAD = True  # each program loads its first weight tile before the PDL wait, while the previous kernel runs
 
 
 @dataclass(frozen=True)
@@ -47,9 +46,9 @@ def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    PRELOAD: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -60,22 +59,11 @@ def _linear_kernel(
     col_ok = cols < N
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-    k0 = k_begin
-    if PRELOAD:  # the first weight tile is loaded before the wait (weights are never written by a kernel)
-        w_first = tl.load(w_ptrs + k0, mask=col_ok[:, None] & (k0 + ks < k_end)[None, :], other=0.0)
-    pdl.sync(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile: the weight is the dot's wide operand
-    if PRELOAD:  # the loop's first step, on the preloaded tile
-        x = tl.load(x_ptr + rows[None, :] * stride_xm + (k0 + ks)[:, None], mask=row_ok[None, :] & (k0 + ks < k_end)[:, None], other=0.0)
-        if DOT_F32:
-            w_first, x = w_first.to(tl.float32), x.to(tl.float32)
-        acc = tl.dot(w_first, x, acc, input_precision="ieee")
-        k0 += BLOCK_K
-    for k in range(k0, k_end, BLOCK_K):
-        kk = k + ks
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + ks
         k_ok = kk < k_end
-        w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
         if DOT_F32:
             w, x = w.to(tl.float32), x.to(tl.float32)
@@ -156,7 +144,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET, PRELOAD=PRELOAD,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return y

@@ -74,9 +74,9 @@ BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows pa
 # more than the align launch saves.
 DIRECT_MAX_ROWS = 32
 # GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
-# gate_up: 32 features a program (144 programs for one token's 8 + 1 rows) measured 2.78 against 2.86 ms a
-# 35B-A3B decode step with 64 (bench/variants.py, H200); the rest from bench/moe_speed.py.
-GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 32, 128, 4, 5
+# Chosen by bench/moe_speed.py on the H200. In the 35B-A3B decode step (bench/variants.py) gate_up at 32
+# features a program measured 2.740 against 2.721 ms with 64 (logs/variants-final-35b-2db17fe.jsonl).
+GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel

@@ -9,10 +9,11 @@ the previous one ended, as without PDL: no result changes. Stream capture keeps 
 edges in a CUDA graph. A kernel that follows a non-PDL kernel (a torch op) simply waits for it.
 
 A kernel may load weights before `sync` (they are never written by a kernel, so this is safe while
-the previous kernel still runs): the linear's first weight tile, the MoE entry's gate rows. L2 bulk
-prefetches before the wait were measured on the H200 and taken out: they compete with the previous
-kernel's stream (35B-A3B decode step 2.73 -> 2.86 ms with the MoE down weights prefetched; earlier,
-9B 221 -> 211 tok/s with the start of each linear's rows).
+the previous kernel still runs): the MoE entry loads its gate rows there. Loading more ahead of the
+wait was measured on the H200 and taken out, as it competes with the previous kernel's stream: L2 bulk
+prefetches (35B-A3B step 2.73 -> 2.86 ms with the MoE down weights; 9B 221 -> 211 tok/s with the
+start of each linear's rows) and each linear's first weight tile (9B 221.3 -> 210.8 tok/s across
+runs, no gain at 35B-A3B in the same run).
 
 Off under the interpreter, on GPUs before sm_90, and with FREETOKEN_PDL=0.
 """
