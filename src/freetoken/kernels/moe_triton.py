@@ -4,10 +4,10 @@ Nothing here reads device data on the host, so the whole block can be captured i
 every buffer, grid size and layout choice follows from N (tokens), top_k, E (router experts) and C
 (experts held by this rank). Routing is `route` after the merged router | shared-gate linear, or
 (in the model) `moe_gate_triton.add_norm_route`, which fuses it with the residual add, the norm and
-that linear; then gate_up, down and combine (align too above DIRECT_MAX_ROWS routed rows). When the block holds its shared expert as
-expert E of the stacked weights [E + 1, ...] (`moe_experts_with_shared`), the shared expert is one
-more routed row of every token and needs no launches of its own; otherwise (`moe_experts`) it runs
-as a dense MLP before the combine.
+that linear; then gate_up, down and combine (align too above DIRECT_MAX_ROWS routed rows). When
+the block holds its shared expert as expert E of the stacked weights [E + 1, ...]
+(`moe_experts_with_shared`), the shared expert is one more routed row of every token and needs no
+launches of its own; otherwise (`moe_experts`) it runs as a dense MLP before the combine.
 
 Layout (R = top_k, or top_k + 1 with the shared expert; T = N * R rows, flat row t = token * R + column).
 The grouped GEMMs take the rows in blocks of BLOCK_M (`RowBlocks`): `sorted_ids` [blocks * BLOCK_M]
@@ -82,7 +82,6 @@ FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
 BLOCK_H = 128  # hidden features per combine program
-
 
 
 @triton.jit
