@@ -101,25 +101,18 @@ def add_norm_route(
     assert triton.next_power_of_2(hidden) <= 4096, "add_norm_route: one row of at most 4096 features per program (NUM_WARPS)"
     x = x if x.stride(1) == 1 else x.contiguous()
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    row_k = top_k + int(with_shared)
-    count = num_experts + int(with_shared) if count is None else count
-    rows = n * row_k
+    out = moe_triton.route_outputs(n, num_experts, top_k, x.dtype, with_shared, first, count, x.device)
     s, h = torch.empty_like(x), torch.empty_like(x)
     logits = torch.empty((n, num_gates), dtype=x.dtype, device=x.device)
-    experts = torch.empty((n, row_k), dtype=torch.int32, device=x.device)
-    weights = torch.empty((n, top_k), dtype=x.dtype, device=x.device)
-    blocks = moe_triton._direct_buffers(rows, first, count, x.device) if moe_triton.is_direct(rows) else None
     counters = _token_counters(x.device)
-    for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):
+    for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):  # direct blocks (T <= DIRECT_MAX_ROWS) take one launch
         tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
         _add_norm_route_kernel[(tokens, triton.cdiv(num_gates, GATE_ROWS))](
             x[t0:], residual[t0:], norm_weight, s[t0:], h[t0:],
             gates, logits[t0:], counters,
-            experts[t0:], weights[t0:], *(blocks[:2] if blocks else (experts, experts)),
+            out.experts[t0:], out.weights[t0:], *out.block_ptrs,
             hidden, num_gates, num_experts, eps, x.stride(0), residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
-            rows, first, count,
-            BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS,
-            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k,
-            BLOCK_M=moe_triton.BLOCK_M, DIRECT=blocks is not None, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
+            out.rows, first, out.count,
+            BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, num_warps=NUM_WARPS, **out.meta, **pdl.launch_kwargs(),
         )
-    return s, h, experts, weights, logits[:, num_experts:], blocks
+    return s, h, out.experts, out.weights, logits[:, num_experts:], out.blocks

@@ -326,6 +326,35 @@ def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> 
     return RowBlocks(sorted_ids, torch.empty((rows,), dtype=torch.int32, device=device), rows, first, count)
 
 
+class RouteOutputs(NamedTuple):
+    """The buffers a routing launch (`route`, or the fused MoE entry) writes, and its arguments."""
+
+    experts: torch.Tensor  # [N, R] int32
+    weights: torch.Tensor  # [N, top_k] dtype
+    blocks: RowBlocks | None  # the direct layout's row blocks (T <= DIRECT_MAX_ROWS), else None
+    rows: int  # T = N * R
+    count: int  # C: the held experts are [first, first + count)
+    meta: dict  # `_route_token`'s constexprs: TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, BLOCK_M, DIRECT
+
+    @property
+    def block_ptrs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted_ids, block_expert) as the kernels take them (unread stand-ins without direct blocks)."""
+        return (self.blocks.sorted_ids, self.blocks.block_expert) if self.blocks else (self.experts, self.experts)
+
+
+def route_outputs(n: int, num_experts: int, top_k: int, dtype: torch.dtype, with_shared: bool, first: int, count: int | None, device: torch.device) -> RouteOutputs:
+    """The outputs of routing n tokens over num_experts router experts, for the held experts
+    [first, first + count) (default: all, E + with_shared)."""
+    row_k = top_k + int(with_shared)
+    count = num_experts + int(with_shared) if count is None else count
+    rows = n * row_k
+    blocks = _direct_buffers(rows, first, count, device) if is_direct(rows) else None
+    meta = dict(TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k,
+                BLOCK_M=BLOCK_M, DIRECT=blocks is not None)
+    experts = torch.empty((n, row_k), dtype=torch.int32, device=device)
+    return RouteOutputs(experts, torch.empty((n, top_k), dtype=dtype, device=device), blocks, rows, count, meta)
+
+
 def route(
     logits: torch.Tensor,  # [N, E] router logits, unit column stride
     top_k: int,
@@ -340,20 +369,13 @@ def route(
     for the experts [first, first + count) (default: all, E + with_shared) and returns them; else None."""
     n, num_experts = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    row_k = top_k + int(with_shared)
-    count = num_experts + int(with_shared) if count is None else count
-    rows = n * row_k
-    experts = torch.empty((n, row_k), dtype=torch.int32, device=logits.device)
-    weights = torch.empty((n, top_k), dtype=dtype, device=logits.device)
-    blocks = _direct_buffers(rows, first, count, logits.device) if is_direct(rows) else None
+    out = route_outputs(n, num_experts, top_k, dtype, with_shared, first, count, logits.device)
     if n:
         _route_kernel[(n,)](
-            logits, experts, weights, *(blocks[:2] if blocks else (experts, experts)),
-            num_experts, logits.stride(0), rows, first, count,
-            TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k,
-            BLOCK_M=BLOCK_M, DIRECT=blocks is not None, num_warps=1, **pdl.launch_kwargs(),
+            logits, out.experts, out.weights, *out.block_ptrs,
+            num_experts, logits.stride(0), out.rows, first, out.count, num_warps=1, **out.meta, **pdl.launch_kwargs(),
         )
-    return experts, weights, blocks
+    return out.experts, out.weights, out.blocks
 
 
 def direct_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
