@@ -230,6 +230,17 @@ def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: tor
     return moe_ref.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)
 
 
+def moe_experts_with_shared_add_norm(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, blocks: RowBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_zc_rms_norm(moe_experts_with_shared(...), residual, norm_weight, eps) -> (s, norm(s)) [N, H]:
+    the block's output added to the stream and the next norm applied, with the bits of those two ops;
+    on the Triton path at small sizes the combine, add and norm finish the down launch."""
+    if use_triton(x):
+        from freetoken.kernels import moe_triton
+
+        return moe_triton.moe_experts_with_shared_add_norm(x, experts, weights, gate_up, down, shared_gate, residual, norm_weight, eps, blocks)
+    return add_zc_rms_norm(moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks), residual, norm_weight, eps)
+
+
 __all__ = [
     "SeqBatch",
     "add_zc_rms_norm",
@@ -244,6 +255,7 @@ __all__ = [
     "moe_add_norm_route",
     "moe_experts",
     "moe_experts_with_shared",
+    "moe_experts_with_shared_add_norm",
     "moe_route",
     "norm_rope_store",
     "paged_attention_batched",
