@@ -38,9 +38,10 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 @triton.jit
 def _as_read(y, rows_ptr, OPAQUE: tl.constexpr):
-    """A conv value as the recurrence reads it from conv_out: rounded to the rows' dtype, then fp32. OPAQUE hides
-    an fp32 value from the compiler, which would otherwise fuse its silu product into the recurrence's
-    first add (an FMA: bits a value loaded from memory never gets)."""
+    """A conv value as the recurrence reads it from conv_out: rounded to the rows' dtype, then fp32.
+    OPAQUE (fp32 rows on a GPU, where the rounding is no op) hides the value from the compiler, so it
+    can never contract the silu product with the recurrence's `v - kv_mem` into an FMA: a value
+    loaded from conv_out never gets those bits. (The sm_90 build does not contract it either way.)"""
     x = y.to(rows_ptr.dtype.element_ty).to(tl.float32)
     if OPAQUE:
         x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
