@@ -3,6 +3,10 @@ outputs, conv_out and both pools) and against the torch references (within toler
 per-key-head counters are back at zero after every launch.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -106,3 +110,40 @@ def test_launches_are_cut_at_the_counter_bound(monkeypatch):
     """More (sequence, key head) pairs than MAX_COUNTERS: several launches, the same bits."""
     monkeypatch.setattr(gdn_conv_triton, "MAX_COUNTERS", 2 * shapes("cpu")[0])  # two sequences a launch
     check_against_two_launches("cpu", torch.bfloat16, [1, 3, 2, 1, 4], [4, 2, 0, 1, 3], True, seed=3)
+
+
+
+_SM90_REDUCTIONS = """
+import re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from freetoken.kernels import gdn_conv_triton, gdn_triton
+
+FP32 = {"state_ptr", "a_log_ptr", "dt_bias_ptr", "scale"}
+I32 = {"count_ptr", "starts_ptr", "counts_ptr", "slots_ptr"}
+CONSTS = {"KW": 4, "BLOCK_W": 4, "BLOCK_K": 128, "BLOCK_V": 32, "OPAQUE": False, "PDL": True}
+
+def reductions(fn):
+    sig = {}
+    for p in fn.params:
+        n = p.name
+        ptr = n.endswith("_ptr")
+        sig[n] = "constexpr" if p.is_constexpr else ("*" if ptr else "") + ("fp32" if n in FP32 else "i32" if n in I32 or not ptr else "bf16")
+    names = list(sig)
+    consts = {(names.index(n),): v for n, v in CONSTS.items() if n in sig}
+    ir = compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "launch_pdl": True}).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\\w+) = (.*)$", ir, re.M))
+    return [layouts[m] for m in re.findall(r"^\\s*}\\) : \\(tensor<[^,]*, (#\\w+)>\\) ->", ir, re.M)]
+
+two, fused = reductions(gdn_triton._gdn_fused_kernel), reductions(gdn_conv_triton._gdn_conv_kernel)
+print(len(two), two == fused)
+"""
+
+
+def test_sm90_build_reduces_over_the_two_launch_kernels_layouts():
+    """Compile (no GPU needed; a process outside the interpreter) both recurrences for sm_90 at
+    Dk = 128, BLOCK_V = 32 in bf16: the l2 norms of q and k, S^T k and S^T q reduce over the same
+    layouts, so in the same order. The interpreter cannot see this."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    out = subprocess.run([sys.executable, "-c", _SM90_REDUCTIONS], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["4", "True"]
