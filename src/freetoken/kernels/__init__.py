@@ -150,6 +150,15 @@ def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int,
     return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype)
 
 
+def gdn_conv_fused_recurrent(windows, rows, weight, state, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, return_conv_out: bool = False, out_dtype: torch.dtype = torch.float32):
+    """causal_conv1d_batched then gdn_fused_recurrent in one launch (Triton only): windows [slots, K-1, C],
+    raw rows [N, C], weight [C, K], state [slots, Hv, Dk, Dv], a, b [N, Hv] -> (outputs [N, Hv, Dv],
+    conv_out [N, C] or None); see gdn_conv_triton.gdn_conv_fused."""
+    from freetoken.kernels import gdn_conv_triton
+
+    return gdn_conv_triton.gdn_conv_fused(windows, rows, weight, state, a, b, a_log, dt_bias, num_k_heads, batch, write_state, return_conv_out, out_dtype)
+
+
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
     """Gated delta rule over the state pool [slots, Hv, Dk, Dv]; see batched.gdn_recurrent_batched."""
     if use_triton(q):
@@ -249,6 +258,7 @@ __all__ = [
     "causal_conv1d_batched",
     "gated_rms_norm",
     "gdn_chunked_prefill",
+    "gdn_conv_fused_recurrent",
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
     "linear",
