@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from freetoken.kernels.moe_triton import RowBlocks
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
+FUSE_GDN_CONV = True  # GatedDeltaNet decode and verify run the conv inside the recurrence launch (False: two launches; for A/B timing)
 FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add+norm, gates linear, route; for A/B timing)
 
 

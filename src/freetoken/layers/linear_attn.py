@@ -182,17 +182,21 @@ class GatedDeltaNet(nn.Module):
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
         if ctx.mode is ForwardMode.VERIFY:
             if kernels.use_triton(x):
-                core, conv_out = kernels.gdn_conv_fused_recurrent(
-                    conv_pool, mixed_qkv, conv_weight, recurrent_pool, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch,
-                    write_state=False, return_conv_out=True, out_dtype=x.dtype,
-                )
+                if kernels.FUSE_GDN_CONV:
+                    core, conv_out = kernels.gdn_conv_fused_recurrent(
+                        conv_pool, mixed_qkv, conv_weight, recurrent_pool, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch,
+                        write_state=False, return_conv_out=True, out_dtype=x.dtype,
+                    )
+                else:
+                    conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
+                    core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
             else:
                 conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
                 q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
                 core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
-        elif kernels.use_triton(x) and split_extend(batch)[0] is None:  # decode: every row takes the recurrence
+        elif kernels.use_triton(x) and kernels.FUSE_GDN_CONV and split_extend(batch)[0] is None:  # decode: every row takes the recurrence
             core, _ = kernels.gdn_conv_fused_recurrent(conv_pool, mixed_qkv, conv_weight, recurrent_pool, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, out_dtype=x.dtype)
         else:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch)
