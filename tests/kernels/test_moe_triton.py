@@ -457,3 +457,21 @@ def test_sparse_moe_kernel_count():
     for x, count in zip(xs, (5, 6)):
         names = kernels_of(lambda: block(x))
         assert len(names) == count, names
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gate_up_feature_tiles_change_no_bits(device, monkeypatch):
+    """gate_up cut into other feature tiles (GATE_UP_TILES, masked to per-tile widths that are not
+    powers of two): each feature's dot is the same, so the same bits on CUDA; within rounding under
+    the interpreter (NumPy's sgemm may block other tile widths differently)."""
+    gate_up, down = stacked_for(device, torch.bfloat16)
+    x, experts, w = routing(3, device, torch.bfloat16, seed=21)
+    experts = with_shared(experts, gate_up.shape[0] - 1)
+    g = torch.randn(3, 1, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16).to(device)
+    want = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)
+    for tiles in (3, 14):
+        monkeypatch.setattr(moe_triton, "GATE_UP_TILES", tiles)
+        got = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)
+        if device == "cuda":
+            assert torch.equal(got, want), f"{tiles} tiles"
+        torch.testing.assert_close(got, want, rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])

@@ -78,6 +78,7 @@ DIRECT_MAX_ROWS = 32
 # Chosen by bench/moe_speed.py on the H200. In the 35B-A3B decode step (bench/variants.py) gate_up at 32
 # features a program measured 2.740 against 2.721 ms with 64 (logs/variants-final-35b-2db17fe.jsonl).
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
+GATE_UP_TILES = 0  # feature tiles a row block's gate_up is cut into (0: I / GATE_UP_BLOCK_N); each is at most GATE_UP_BLOCK_N wide
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
@@ -202,7 +203,7 @@ def _align_kernel(
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C,
+    T, H, I, C, per_tile,
     stride_xm, stride_we, stride_wn, stride_hm,
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -216,7 +217,8 @@ def _gate_up_kernel(
     ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
     tokens = (ids // ROW_K).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * per_tile + tl.arange(0, BLOCK_N)  # this program's per_tile (<= BLOCK_N) features
+    col_ok = (tl.arange(0, BLOCK_N) < per_tile) & (cols < I)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -224,7 +226,7 @@ def _gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + ks
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
-        w_mask = (cols[None, :] < I) & (kk[:, None] < H)
+        w_mask = col_ok[None, :] & (kk[:, None] < H)
         wg = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w + (cols[None, :] + I) * stride_wn + kk[:, None], mask=w_mask, other=0.0)
         if DOT_F32:
@@ -237,7 +239,7 @@ def _gate_up_kernel(
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], (act * up).to(dtype), mask=cols[None, :] < I)
+    tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], (act * up).to(dtype), mask=col_ok[None, :])
 
 
 @triton.jit
@@ -504,9 +506,12 @@ def _hidden_rows(
     assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
     nb = blocks.block_expert.shape[0]
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+    tiles = GATE_UP_TILES or triton.cdiv(inter, GATE_UP_BLOCK_N)
+    per_tile = triton.cdiv(inter, tiles)
+    assert per_tile <= GATE_UP_BLOCK_N, f"gate_up: {tiles} feature tiles of {inter} features exceed {GATE_UP_BLOCK_N} a tile"
+    _gate_up_kernel[(nb, tiles)](
         x, gate_up, hidden_rows, blocks.sorted_ids, blocks.block_expert,
-        rows, hidden, inter, count,
+        rows, hidden, inter, count, per_tile,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if x.dtype == torch.float32 else GATE_UP_BLOCK_K,
         DOT_F32=INTERPRET, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
