@@ -47,7 +47,10 @@ def _counters_zero(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exit_has_the_unfused_bits(device, dtype):
+@pytest.mark.parametrize("down_tiles", [0, 5])
+def test_exit_has_the_unfused_bits(device, dtype, down_tiles, monkeypatch):
+    """Also with down cut into tiles narrower than DOWN_BLOCK_N (the combine tile is the down tile)."""
+    monkeypatch.setattr(moe_triton, "DOWN_TILES", down_tiles)
     gate_up, down = stacked_for(device, dtype)
     row_k = shape(device)[2] + 1
     for n in (1, 2, 3, 5, 12):

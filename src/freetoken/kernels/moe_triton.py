@@ -80,6 +80,7 @@ DIRECT_MAX_ROWS = 32
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 GATE_UP_TILES = 0  # feature tiles a row block's gate_up is cut into (0: I / GATE_UP_BLOCK_N); each is at most GATE_UP_BLOCK_N wide
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5
+DOWN_TILES = 0  # as GATE_UP_TILES, for down's H output features
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
@@ -217,8 +218,7 @@ def _gate_up_kernel(
     ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
     tokens = (ids // ROW_K).to(tl.int64)
-    cols = pid_n * per_tile + tl.arange(0, BLOCK_N)  # this program's per_tile (<= BLOCK_N) features
-    col_ok = (tl.arange(0, BLOCK_N) < per_tile) & (cols < I)
+    cols, col_ok = _tile_cols(pid_n, per_tile, I, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -243,41 +243,48 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _tile_cols(pid_n, per_tile, N, BLOCK_N: tl.constexpr):
+    """Feature tile pid_n of tiles per_tile (<= BLOCK_N) wide -> its columns [BLOCK_N] and which of them it owns."""
+    cols = pid_n * per_tile + tl.arange(0, BLOCK_N)
+    return cols, (tl.arange(0, BLOCK_N) < per_tile) & (cols < N)
+
+
+@triton.jit
 def _down_block(
-    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, pid_m, pid_n,
+    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, pid_m, cols, col_ok,
     T, H, I, C, stride_hm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """Row block pid_m's hidden rows @ its expert's down[:, tile pid_n]^T -> out rows (x.dtype), unless skipped."""
+    """Row block pid_m's hidden rows @ its expert's down[cols]^T -> out rows (x.dtype), unless skipped."""
     e = tl.load(block_expert_ptr + pid_m)
     if e < C:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ids = tl.load(sorted_ids_ptr + rows)
         valid = ids < T
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         w = w_ptr + e.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + ks
             a = tl.load(h_ptr + rows[:, None] * stride_hm + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
-            wd = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=(cols[None, :] < H) & (kk[:, None] < I), other=0.0)
+            wd = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=col_ok[None, :] & (kk[:, None] < I), other=0.0)
             if DOT_F32:
                 a, wd = a.to(tl.float32), wd.to(tl.float32)
             acc = tl.dot(a, wd, acc, input_precision="ieee")
         y = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
+        tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C,
+    T, H, I, C, per_tile,
     stride_hm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
-    _down_block(h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tl.program_id(0), tl.program_id(1),
+    cols, col_ok = _tile_cols(tl.program_id(1), per_tile, H, BLOCK_N)
+    _down_block(h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tl.program_id(0), cols, col_ok,
                 T, H, I, C, stride_hm, stride_we, stride_wn, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
 
 
@@ -324,7 +331,7 @@ def _combine_tile(
 
 @triton.jit(do_not_specialize=["T"])
 def _down_exit_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, T, H, I, C,
+    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, T, H, I, C, per_tile,
     experts_ptr, weights_ptr, gate_ptr, res_ptr, norm_w_ptr, s_ptr, y_ptr, count_ptr, eps,
     stride_hm, stride_we, stride_wn, stride_om, stride_gm, stride_r, stride_s, stride_y,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr,
@@ -333,7 +340,8 @@ def _down_exit_kernel(
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    _down_block(h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, pid_m, pid_n,
+    cols, col_ok = _tile_cols(pid_n, per_tile, H, BLOCK_N)
+    _down_block(h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, pid_m, cols, col_ok,
                 T, H, I, C, stride_hm, stride_we, stride_wn, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
     num_n = tl.num_programs(1)
     token = pid_m // ROW_K  # direct layout: block pid_m is flat row pid_m
@@ -342,11 +350,10 @@ def _down_exit_kernel(
     tl.debug_barrier()  # every thread's rows are written before the counter moves
     if tl.atomic_add(tile_count, 1, sem="acq_rel", scope="gpu") == ROW_K - 1:  # the token's rows of this tile are in
         tokens = tl.full((1,), 0, tl.int32) + token
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _combine_tile(out_ptr, experts_ptr, weights_ptr, out_ptr + (ROW_K - 1) * stride_om, gate_ptr, tokens, tokens >= 0, cols,
-                            H, 0, C, stride_om, ROW_K * stride_om, stride_gm, TOP_K, TOP_K_POW2, ROW_K, True, True)
+        acc = _combine_tile(out_ptr, experts_ptr, weights_ptr, out_ptr + (ROW_K - 1) * stride_om, gate_ptr, tokens, tokens >= 0,
+                            tl.where(col_ok, cols, H), H, 0, C, stride_om, ROW_K * stride_om, stride_gm, TOP_K, TOP_K_POW2, ROW_K, True, True)
         dtype = s_ptr.dtype.element_ty
-        mask = cols[None, :] < H
+        mask = col_ok[None, :]
         r = tl.load(res_ptr + token * stride_r + cols[None, :], mask=mask, other=0.0)
         s = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as add_zc_rms_norm(block output, residual)
         tl.store(s_ptr + token * stride_s + cols[None, :], s, mask=mask)
@@ -506,9 +513,7 @@ def _hidden_rows(
     assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
     nb = blocks.block_expert.shape[0]
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    tiles = GATE_UP_TILES or triton.cdiv(inter, GATE_UP_BLOCK_N)
-    per_tile = triton.cdiv(inter, tiles)
-    assert per_tile <= GATE_UP_BLOCK_N, f"gate_up: {tiles} feature tiles of {inter} features exceed {GATE_UP_BLOCK_N} a tile"
+    tiles, per_tile = _tiles(inter, GATE_UP_TILES, GATE_UP_BLOCK_N)
     _gate_up_kernel[(nb, tiles)](
         x, gate_up, hidden_rows, blocks.sorted_ids, blocks.block_expert,
         rows, hidden, inter, count, per_tile,
@@ -519,9 +524,18 @@ def _hidden_rows(
     return hidden_rows, blocks
 
 
+def _tiles(features: int, tiles: int, block_n: int) -> tuple[int, int]:
+    """(tiles, features a tile) of a GEMM's output features: `tiles` of them (0: block_n wide)."""
+    tiles = tiles or triton.cdiv(features, block_n)
+    per_tile = triton.cdiv(features, tiles)
+    assert per_tile <= block_n, f"{tiles} tiles of {features} features exceed {block_n} a tile"
+    return tiles, per_tile
+
+
 def _down_args(hidden_rows: torch.Tensor, down: torch.Tensor, out: torch.Tensor, blocks: RowBlocks) -> tuple:
-    """The arguments `_down_kernel` and `_down_exit_kernel` begin with, through C."""
-    return (hidden_rows, down, out, blocks.sorted_ids, blocks.block_expert, blocks.rows, down.shape[1], down.shape[2], blocks.count)
+    """The arguments `_down_kernel` and `_down_exit_kernel` begin with, through per_tile."""
+    per_tile = _tiles(down.shape[1], DOWN_TILES, DOWN_BLOCK_N)[1]
+    return (hidden_rows, down, out, blocks.sorted_ids, blocks.block_expert, blocks.rows, down.shape[1], down.shape[2], blocks.count, per_tile)
 
 
 def _down_meta(dtype: torch.dtype) -> dict:
@@ -540,7 +554,7 @@ def _expert_rows(
     """The row blocks (direct or align launch) unless given, gate_up, down."""
     hidden_rows, blocks = _hidden_rows(x, experts, gate_up, first, blocks)
     out = torch.empty((blocks.rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    _down_kernel[(blocks.block_expert.shape[0], triton.cdiv(x.shape[1], DOWN_BLOCK_N))](
+    _down_kernel[(blocks.block_expert.shape[0], _tiles(x.shape[1], DOWN_TILES, DOWN_BLOCK_N)[0])](
         *_down_args(hidden_rows, down, out, blocks), hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0), **_down_meta(x.dtype),
     )
     return out
@@ -658,7 +672,7 @@ def moe_experts_with_shared_add_norm(
     hidden_rows, blocks = _hidden_rows(x, experts, gate_up.contiguous(), 0, blocks)
     out = torch.empty((blocks.rows, hidden), dtype=x.dtype, device=x.device)
     s, h = torch.empty_like(x), torch.empty_like(x)
-    num_n = triton.cdiv(hidden, DOWN_BLOCK_N)
+    num_n = _tiles(hidden, DOWN_TILES, DOWN_BLOCK_N)[0]
     if x.device not in _exit_counters:  # zero between launches; made on first use, before any graph capture
         _exit_counters[x.device] = torch.zeros(DIRECT_MAX_ROWS * (triton.cdiv(4096, 16) + 1), dtype=torch.int32, device=x.device)
     counters = _exit_counters[x.device]
