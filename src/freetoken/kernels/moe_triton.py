@@ -48,6 +48,14 @@ Kernels:
             acc.to(dtype) + (sigmoid(g).to(dtype) * shared).to(dtype); otherwise the fp32 partial
             (expert parallel: the ranks' partials are added before the shared expert).
 
+  exit      `_down_exit_kernel` (`moe_experts_with_shared_add_norm`, direct layout, shared expert
+            stacked): down, then the block's exit in the same launch. A per-(token, down tile) counter
+            lets the program that writes the token's last expert row of the tile combine that tile
+            (`_combine_tile`, the combine kernel's body) and add the residual; a per-token counter lets
+            the last of the token's tiles normalise the row with the next layer's norm, as
+            `_add_zc_rms_norm_kernel` does (same block, same warps, so the same reduction). Bits equal
+            to down, combine and add_zc_rms_norm, which the aligned layout runs.
+
 Row invariance (DESIGN.md invariant 5): every GEMM tile walks K from 0 upwards in BLOCK_K steps with
 fp32 accumulation and one configuration per dtype, the token count is not specialised on, routing is
 per token, and a row's values never mix with another row's, so a token gets the same bits whatever

@@ -18,7 +18,12 @@ the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode 
 writes the expert GEMMs' row blocks (one row per block), so with the stacked shared expert the add,
 norm and block are four launches (that one, gate_up, down, combine), and with a dense shared MLP
 seven (and the MLP's gate_up linear, silu_mul and down linear). Above that, the rows are grouped by
-expert first (align): one launch more. A row's result has the same bits either way.
+expert first (align): one launch more. A row's result has the same bits either way. When the decoder
+layer also hands over the next layer's norm (`add_norm_forward_add_norm`), the stacked block in the
+direct layout ends inside its down launch: combine, residual add and that norm
+(`kernels.moe_experts_with_shared_add_norm`), so from the mixer's output to the next layer's input
+it is three launches (entry, gate_up, down); elsewhere the combine and `add_zc_rms_norm` follow, with
+the same bits.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
