@@ -76,30 +76,3 @@ def test_split_k_rows_are_invariant_and_launches_cut_cleanly(device, monkeypatch
     monkeypatch.setattr(linear_triton, "MAX_ROWS_PER_LAUNCH", 16)  # several launches of one config
     assert torch.equal(linear_triton.linear(x, w), full)
 
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_narrower_feature_tiles_change_no_bits(device, monkeypatch):
-    """BALANCE_SMS rounds an unsplit weight's feature tiles up to a multiple of it (each cdiv(N, tiles)
-    wide, masked within BLOCK_N): a feature's dot is the same, so the same bits on CUDA; within rounding
-    under the interpreter (NumPy's sgemm may block other tile widths differently). Split weights keep
-    their tiles."""
-    gen = torch.Generator().manual_seed(3)
-    m, k, n = (3, 80, 200) if device == "cpu" else (3, 2048, 12352)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16).to(device)
-    want = linear_triton.linear(x, w)
-    sms = 5 if device == "cpu" else 132
-    monkeypatch.setattr(linear_triton, "BALANCE_SMS", sms)
-    cfg = linear_triton.config_for(n, k, w.dtype)
-    assert cfg.split == 1 and cfg.tiles % sms == 0 and cfg.tiles > triton_cdiv(n, cfg.block_n)
-    got = linear_triton.linear(x, w)
-    if device == "cuda":
-        assert torch.equal(got, want)
-    torch.testing.assert_close(got, want, rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])
-    split = linear_triton.config_for(72, 300 if device == "cpu" else 12288, torch.float32)
-    assert split.split > 1 and split.tiles == 0
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)

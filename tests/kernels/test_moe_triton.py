@@ -457,22 +457,3 @@ def test_sparse_moe_kernel_count():
     for x, count in zip(xs, (5, 6)):
         names = kernels_of(lambda: block(x))
         assert len(names) == count, names
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_feature_tiles_change_no_bits(device, monkeypatch):
-    """gate_up and down cut into other feature tiles (GATE_UP_TILES, DOWN_TILES: masked tiles whose
-    widths are not powers of two): each feature's dot is the same, so the same bits on CUDA; within
-    rounding under the interpreter (NumPy's sgemm may block other tile widths differently)."""
-    gate_up, down = stacked_for(device, torch.bfloat16)
-    x, experts, w = routing(3, device, torch.bfloat16, seed=21)
-    experts = with_shared(experts, gate_up.shape[0] - 1)
-    g = torch.randn(3, 1, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16).to(device)
-    want = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)
-    for gate_up_tiles, down_tiles in ((3, 0), (14, 0), (0, 5), (0, 44)):
-        monkeypatch.setattr(moe_triton, "GATE_UP_TILES", gate_up_tiles)
-        monkeypatch.setattr(moe_triton, "DOWN_TILES", down_tiles)
-        got = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)
-        if device == "cuda":
-            assert torch.equal(got, want), f"{gate_up_tiles}, {down_tiles} tiles"
-        torch.testing.assert_close(got, want, rtol=TOL[torch.bfloat16], atol=TOL[torch.bfloat16])

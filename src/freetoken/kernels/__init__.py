@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from freetoken.kernels.moe_triton import RowBlocks
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
-FUSE_GDN_CONV = True  # GatedDeltaNet decode and verify run the conv inside the recurrence launch (False: two launches; for A/B timing)
 FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add+norm, gates linear, route; for A/B timing)
 
 
@@ -151,15 +150,6 @@ def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int,
     return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype)
 
 
-def gdn_conv_fused_recurrent(windows, rows, weight, state, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, return_conv_out: bool = False, out_dtype: torch.dtype = torch.float32):
-    """causal_conv1d_batched then gdn_fused_recurrent in one launch (Triton only): windows [slots, K-1, C],
-    raw rows [N, C], weight [C, K], state [slots, Hv, Dk, Dv], a, b [N, Hv] -> (outputs [N, Hv, Dv],
-    conv_out [N, C] or None); see gdn_conv_triton.gdn_conv_fused."""
-    from freetoken.kernels import gdn_conv_triton
-
-    return gdn_conv_triton.gdn_conv_fused(windows, rows, weight, state, a, b, a_log, dt_bias, num_k_heads, batch, write_state, return_conv_out, out_dtype)
-
-
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
     """Gated delta rule over the state pool [slots, Hv, Dk, Dv]; see batched.gdn_recurrent_batched."""
     if use_triton(q):
@@ -240,17 +230,6 @@ def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: tor
     return moe_ref.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)
 
 
-def moe_experts_with_shared_add_norm(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, blocks: RowBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_zc_rms_norm(moe_experts_with_shared(...), residual, norm_weight, eps) -> (s, norm(s)) [N, H]:
-    the block's output added to the stream and the next norm applied, with the bits of those two ops;
-    on the Triton path at small sizes the combine, add and norm finish the down launch."""
-    if use_triton(x):
-        from freetoken.kernels import moe_triton
-
-        return moe_triton.moe_experts_with_shared_add_norm(x, experts, weights, gate_up, down, shared_gate, residual, norm_weight, eps, blocks)
-    return add_zc_rms_norm(moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks), residual, norm_weight, eps)
-
-
 __all__ = [
     "SeqBatch",
     "add_zc_rms_norm",
@@ -259,14 +238,12 @@ __all__ = [
     "causal_conv1d_batched",
     "gated_rms_norm",
     "gdn_chunked_prefill",
-    "gdn_conv_fused_recurrent",
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
     "linear",
     "moe_add_norm_route",
     "moe_experts",
     "moe_experts_with_shared",
-    "moe_experts_with_shared_add_norm",
     "moe_route",
     "norm_rope_store",
     "paged_attention_batched",

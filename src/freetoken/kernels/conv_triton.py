@@ -17,36 +17,6 @@ from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: 
 from freetoken.kernels.batched import SeqBatch
 
 
-@triton.jit
-def conv_row(win, x_ptr, w_ptr, start, t, cs, mc, win_t, x_row, w_c, KW: tl.constexpr):
-    """silu(conv) of row t of a sequence (rows from `start`) on channels cs [BLOCK] -> fp32, 0 where
-    ~mc. The fused GDN kernel calls this too, so both compute the same bits."""
-    for j in tl.static_range(KW):
-        p = t + j  # index into window ++ rows
-        in_win = tl.zeros_like(cs) + p < KW - 1  # per lane (a scalar-and-tensor mask is refused by triton 3.9's interpreter)
-        from_win = tl.load(win + p * win_t + cs, mask=mc & in_win, other=0.0)
-        from_rows = tl.load(x_ptr + (start + p - (KW - 1)) * x_row + cs, mask=mc & ~in_win, other=0.0)
-        xj = tl.where(p < KW - 1, from_win, from_rows).to(tl.float32)
-        wj = tl.load(w_ptr + cs * w_c + j, mask=mc, other=0.0).to(tl.float32)
-        if j == 0:
-            acc = xj * wj
-        else:
-            acc = acc + xj * wj
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def next_window(win, x_ptr, start, count, cs, mc, win_t, x_row, KW: tl.constexpr, BLOCK_W: tl.constexpr):
-    """The window after `count` rows on channels cs: (window ++ rows)[count : count + K-1] as
-    [BLOCK_W, BLOCK] values and the mask of entries to store (at win + js * win_t + cs)."""
-    js = tl.arange(0, BLOCK_W)
-    p = count + js
-    keep = (js < KW - 1)[:, None] & mc[None, :]
-    from_win = tl.load(win + p[:, None] * win_t + cs[None, :], mask=keep & (p < KW - 1)[:, None], other=0.0)
-    from_rows = tl.load(x_ptr + (start + p - (KW - 1))[:, None] * x_row + cs[None, :], mask=keep & (p >= KW - 1)[:, None], other=0.0)
-    return tl.where((p < KW - 1)[:, None], from_win, from_rows.to(from_win.dtype)), keep
-
-
 @triton.jit(do_not_specialize=["write_state"])
 def _conv_kernel(
     win_ptr, x_ptr, w_ptr, y_ptr,
@@ -65,12 +35,29 @@ def _conv_kernel(
     mc = cs < C
     win = win_ptr + slot * win_slot
     for t in range(count):
-        y = conv_row(win, x_ptr, w_ptr, start, t, cs, mc, win_t, x_row, w_c, KW)
+        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for j in tl.static_range(KW):
+            p = t + j  # index into window ++ rows
+            in_win = tl.zeros_like(cs) + p < KW - 1  # per lane (a scalar-and-tensor mask is refused by triton 3.9's interpreter)
+            from_win = tl.load(win + p * win_t + cs, mask=mc & in_win, other=0.0)
+            from_rows = tl.load(x_ptr + (start + p - (KW - 1)) * x_row + cs, mask=mc & ~in_win, other=0.0)
+            xj = tl.where(p < KW - 1, from_win, from_rows).to(tl.float32)
+            wj = tl.load(w_ptr + cs * w_c + j, mask=mc, other=0.0).to(tl.float32)
+            if j == 0:
+                acc = xj * wj
+            else:
+                acc = acc + xj * wj
+        y = acc * tl.sigmoid(acc)
         tl.store(y_ptr + (start + t) * y_row + cs, y.to(y_ptr.dtype.element_ty), mask=mc)
     if write_state != 0:
-        new, keep = next_window(win, x_ptr, start, count, cs, mc, win_t, x_row, KW, BLOCK_W)
+        js = tl.arange(0, BLOCK_W)
+        p = count + js  # the new window is (window ++ rows)[count : count + K-1]
+        keep = (js < KW - 1)[:, None] & mc[None, :]
+        from_win = tl.load(win + p[:, None] * win_t + cs[None, :], mask=keep & (p < KW - 1)[:, None], other=0.0)
+        from_rows = tl.load(x_ptr + (start + p - (KW - 1))[:, None] * x_row + cs[None, :], mask=keep & (p >= KW - 1)[:, None], other=0.0)
+        new = tl.where((p < KW - 1)[:, None], from_win, from_rows.to(from_win.dtype))
         tl.debug_barrier()
-        tl.store(win + tl.arange(0, BLOCK_W)[:, None] * win_t + cs[None, :], new, mask=keep)
+        tl.store(win + js[:, None] * win_t + cs[None, :], new, mask=keep)
 
 
 def causal_conv1d(

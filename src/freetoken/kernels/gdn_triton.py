@@ -97,24 +97,6 @@ def gdn_recurrent(
     return out
 
 
-@triton.jit
-def fused_step(s, q, k, v, a_at, b_at, neg_a, dt_bias, scale):
-    """One row of the rule with its input preparation: state tile s [BLOCK_K, BLOCK_V], q, k [BLOCK_K]
-    and v [BLOCK_V] fp32 as read from conv_out, a_at / b_at pointing at the row's raw a and b of the
-    value head -> (new s, prepared q). The conv-fused kernel calls this too, so both compute the same bits."""
-    q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
-    k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
-    beta = tl.sigmoid(tl.load(b_at).to(tl.float32))
-    z = tl.load(a_at).to(tl.float32) + dt_bias
-    softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-    g = neg_a * softplus
-    s = s * tl.exp(g)
-    kv_mem = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
-    delta = (v - kv_mem) * beta
-    s = s + k[:, None] * delta[None, :]
-    return s, q
-
-
 @triton.jit(do_not_specialize=["write_state", "write_output"])
 def _gdn_fused_kernel(
     state_ptr, x_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr,
@@ -146,7 +128,16 @@ def _gdn_fused_kernel(
         q = tl.load(x + kh * Dk + ks, mask=mk, other=0.0).to(tl.float32)
         k = tl.load(x + key_dim + kh * Dk + ks, mask=mk, other=0.0).to(tl.float32)
         v = tl.load(x + 2 * key_dim + h * Dv + vs, mask=mv, other=0.0).to(tl.float32)
-        s, q = fused_step(s, q, k, v, a_ptr + row * a_row + h, b_ptr + row * b_row + h, neg_a, dt_bias, scale)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+        beta = tl.sigmoid(tl.load(b_ptr + row * b_row + h).to(tl.float32))
+        z = tl.load(a_ptr + row * a_row + h).to(tl.float32) + dt_bias
+        softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+        g = neg_a * softplus
+        s = s * tl.exp(g)
+        kv_mem = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
         if write_output != 0:
             o = tl.sum(s * q[:, None], axis=0)
             tl.store(o_ptr + row * o_row + h * o_head + vs, o.to(o_ptr.dtype.element_ty), mask=mv)

@@ -30,7 +30,6 @@ from freetoken.kernels.compat_triton import INTERPRET
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
-BALANCE_SMS = 0  # if set, an unsplit weight's feature tiles are rounded up to a multiple of it (narrower, equal tiles)
 
 
 @dataclass(frozen=True)
@@ -40,16 +39,12 @@ class LinearConfig:
     split: int  # slices of K
     num_warps: int = 4
     num_stages: int = 3
-    tiles: int = 0  # feature tiles, each cdiv(N, tiles) <= block_n wide (0: cdiv(N, block_n))
-
-    def num_tiles(self, n: int) -> int:
-        return self.tiles or triton.cdiv(n, self.block_n)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
-    M, N, K, k_per_split, per_tile,
+    M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -58,10 +53,10 @@ def _linear_kernel(
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * per_tile + tl.arange(0, BLOCK_N)  # this program's per_tile (<= BLOCK_N) features
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
-    col_ok = (tl.arange(0, BLOCK_N) < per_tile) & (cols < N)
+    col_ok = cols < N
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile: the weight is the dot's wide operand
@@ -102,10 +97,7 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     # Fewer programs than the target, each with a long K loop: each keeps more loads in flight
     # (pipelining changes no bits). At K = 2048 three stages measured faster.
     stages = 5 if n_tiles * split < TARGET_PROGRAMS and k_blocks // split >= 32 else 3
-    tiles = 0
-    if BALANCE_SMS and split == 1 and n_tiles > BALANCE_SMS // 2:  # every SM the same number of equal tiles
-        tiles = triton.cdiv(n_tiles, BALANCE_SMS) * BALANCE_SMS
-    return LinearConfig(block_n, block_k, split, num_stages=stages, tiles=tiles)
+    return LinearConfig(block_n, block_k, split, num_stages=stages)
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -129,7 +121,7 @@ def reserve_workspace(device: torch.device, weights: list[torch.Tensor]) -> None
 
 
 def _launch_workspace(device: torch.device, m: int, n: int, cfg: LinearConfig):
-    tiles = triton.cdiv(m, BLOCK_M) * cfg.num_tiles(n)
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     return _workspace(device, tiles * cfg.split * cfg.block_n * BLOCK_M, tiles)
 
 
@@ -145,15 +137,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     cfg = cfg or config_for(n, k, weight.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
-    tiles = cfg.num_tiles(n)
-    per_tile = triton.cdiv(n, tiles)
-    assert per_tile <= cfg.block_n, f"linear: {tiles} tiles of {n} features exceed {cfg.block_n} a tile"
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
-        grid = (triton.cdiv(rows, BLOCK_M), tiles, cfg.split)
+        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)
         _linear_kernel[grid](
-            x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split, per_tile,
+            x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
             BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),

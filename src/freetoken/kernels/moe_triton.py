@@ -48,14 +48,6 @@ Kernels:
             acc.to(dtype) + (sigmoid(g).to(dtype) * shared).to(dtype); otherwise the fp32 partial
             (expert parallel: the ranks' partials are added before the shared expert).
 
-  exit      `_down_exit_kernel` (`moe_experts_with_shared_add_norm`, direct layout, shared expert
-            stacked): down, then the block's exit in the same launch. A per-(token, down tile) counter
-            lets the program that writes the token's last expert row of the tile combine that tile
-            (`_combine_tile`, the combine kernel's body) and add the residual; a per-token counter lets
-            the last of the token's tiles normalise the row with the next layer's norm, as
-            `_add_zc_rms_norm_kernel` does (same block, same warps, so the same reduction). Bits equal
-            to down, combine and add_zc_rms_norm, which the aligned layout runs.
-
 Row invariance (DESIGN.md invariant 5): every GEMM tile walks K from 0 upwards in BLOCK_K steps with
 fp32 accumulation and one configuration per dtype, the token count is not specialised on, routing is
 per token, and a row's values never mix with another row's, so a token gets the same bits whatever
@@ -73,7 +65,6 @@ import triton.language as tl
 
 from freetoken.kernels import pdl
 from freetoken.kernels.compat_triton import INTERPRET
-from freetoken.kernels.norm_triton import add_zc_rms_norm
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
 # Up to this many routed rows (T = N * R) the direct layout: route writes the row blocks, no align launch.
@@ -83,17 +74,16 @@ BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows pa
 # more than the align launch saves.
 DIRECT_MAX_ROWS = 32
 # GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
-# Chosen by bench/moe_speed.py on the H200. In the 35B-A3B decode step (bench/variants.py) gate_up at 32
-# features a program measured 2.740 against 2.721 ms with 64 (logs/variants-final-35b-2db17fe.jsonl).
+# Chosen by bench/moe_speed.py on the H200, then in the 35B-A3B decode step (bench/variants.py): gate_up
+# at 64 features a program measured 2.710 ms against 2.729 at 32 and 2.912 at 16, and down at 64-wide K
+# steps 2.693 against 2.710 ms at 128 (logs/variants-tiles-35b-24f6731.jsonl; 2.667 against 2.715 in
+# logs/variants-35b-1f1fad3.jsonl). Narrower masked tiles that give every SM the same work were slower.
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
-GATE_UP_TILES = 0  # feature tiles a row block's gate_up is cut into (0: I / GATE_UP_BLOCK_N); each is at most GATE_UP_BLOCK_N wide
-DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 5
-DOWN_TILES = 0  # as GATE_UP_TILES, for down's H output features
+DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 64, 4, 5
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
 BLOCK_H = 128  # hidden features per combine program
-FUSE_EXIT = True  # moe_experts_with_shared_add_norm fuses the combine, add and norm into the down launch where it can (A/B switch)
 
 
 @triton.jit
@@ -212,7 +202,7 @@ def _align_kernel(
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C, per_tile,
+    T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -226,7 +216,7 @@ def _gate_up_kernel(
     ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
     tokens = (ids // ROW_K).to(tl.int64)
-    cols, col_ok = _tile_cols(pid_n, per_tile, I, BLOCK_N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -234,7 +224,7 @@ def _gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + ks
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
-        w_mask = col_ok[None, :] & (kk[:, None] < H)
+        w_mask = (cols[None, :] < I) & (kk[:, None] < H)
         wg = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w + (cols[None, :] + I) * stride_wn + kk[:, None], mask=w_mask, other=0.0)
         if DOT_F32:
@@ -247,134 +237,38 @@ def _gate_up_kernel(
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], (act * up).to(dtype), mask=col_ok[None, :])
-
-
-@triton.jit
-def _tile_cols(pid_n, per_tile, N, BLOCK_N: tl.constexpr):
-    """Feature tile pid_n of tiles per_tile (<= BLOCK_N) wide -> its columns [BLOCK_N] and which of them it owns."""
-    cols = pid_n * per_tile + tl.arange(0, BLOCK_N)
-    return cols, (tl.arange(0, BLOCK_N) < per_tile) & (cols < N)
-
-
-@triton.jit
-def _down_block(
-    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, pid_m, cols, col_ok,
-    T, H, I, C, stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """Row block pid_m's hidden rows @ its expert's down[cols]^T -> out rows (x.dtype), unless skipped."""
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < C:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ids = tl.load(sorted_ids_ptr + rows)
-        valid = ids < T
-        ks = tl.arange(0, BLOCK_K)
-        w = w_ptr + e.to(tl.int64) * stride_we
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            kk = k0 + ks
-            a = tl.load(h_ptr + rows[:, None] * stride_hm + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
-            wd = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=col_ok[None, :] & (kk[:, None] < I), other=0.0)
-            if DOT_F32:
-                a, wd = a.to(tl.float32), wd.to(tl.float32)
-            acc = tl.dot(a, wd, acc, input_precision="ieee")
-        y = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y, mask=valid[:, None] & col_ok[None, :])
+    tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], (act * up).to(dtype), mask=cols[None, :] < I)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C, per_tile,
+    T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
-    cols, col_ok = _tile_cols(tl.program_id(1), per_tile, H, BLOCK_N)
-    _down_block(h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tl.program_id(0), cols, col_ok,
-                T, H, I, C, stride_hm, stride_we, stride_wn, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-
-
-@triton.jit
-def _load_rows(ptrs, mask, CG: tl.constexpr):
-    """Rows that other programs of this launch wrote are read past L1 (CG)."""
-    if CG:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _combine_tile(
-    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, tokens, live, cols,
-    H, first, C, stride_om, stride_sm, stride_gm,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, SHARED: tl.constexpr, CG: tl.constexpr,
-):
-    """The combine of the tokens [BLOCK_TOK] (where live) over the columns [BLOCK_H] -> fp32: with the
-    gated shared expert, the block output (its value already rounded to x.dtype); else the fp32 partial."""
-    slots = tl.arange(0, TOP_K_POW2)
-    big = 2147483647
-    ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=live[:, None] & (slots[None, :] < TOP_K), other=big).to(tl.int32)
-    dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros((tokens.shape[0], cols.shape[0]), dtype=tl.float32)
-    prev = tl.full(tokens.shape, -1, tl.int32)
-    for _ in tl.static_range(TOP_K):  # each token's experts in ascending id (top-k ids are distinct)
-        e = tl.min(tl.where(ids > prev[:, None], ids, big), 1)  # [BLOCK_TOK]
-        slot = tl.sum(tl.where(ids == e[:, None], slots[None, :], 0), 1)
-        prev = e
-        held = live & (e >= first) & (e < first + C)
-        row = (tokens * ROW_K + slot).to(tl.int64)
-        y = _load_rows(out_ptr + row[:, None] * stride_om + cols[None, :], held[:, None] & (cols[None, :] < H), CG).to(tl.float32)
-        w = tl.load(weights_ptr + tokens * TOP_K + slot, mask=held, other=0.0).to(tl.float32)
-        acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
-    if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
-        tokens = tokens.to(tl.int64)
-        mask = live[:, None] & (cols[None, :] < H)
-        g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
-        gate = tl.sigmoid(g).to(dtype).to(tl.float32)
-        shared = _load_rows(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask, CG).to(tl.float32)
-        acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
-    return acc
-
-
-@triton.jit(do_not_specialize=["T"])
-def _down_exit_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, T, H, I, C, per_tile,
-    experts_ptr, weights_ptr, gate_ptr, res_ptr, norm_w_ptr, s_ptr, y_ptr, count_ptr, eps,
-    stride_hm, stride_we, stride_wn, stride_om, stride_gm, stride_r, stride_s, stride_y,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    cols, col_ok = _tile_cols(pid_n, per_tile, H, BLOCK_N)
-    _down_block(h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, pid_m, cols, col_ok,
-                T, H, I, C, stride_hm, stride_we, stride_wn, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-    num_n = tl.num_programs(1)
-    token = pid_m // ROW_K  # direct layout: block pid_m is flat row pid_m
-    tile_count = count_ptr + token * (num_n + 1) + pid_n
-    row_count = count_ptr + token * (num_n + 1) + num_n
-    tl.debug_barrier()  # every thread's rows are written before the counter moves
-    if tl.atomic_add(tile_count, 1, sem="acq_rel", scope="gpu") == ROW_K - 1:  # the token's rows of this tile are in
-        tokens = tl.full((1,), 0, tl.int32) + token
-        acc = _combine_tile(out_ptr, experts_ptr, weights_ptr, out_ptr + (ROW_K - 1) * stride_om, gate_ptr, tokens, tokens >= 0,
-                            tl.where(col_ok, cols, H), H, 0, C, stride_om, ROW_K * stride_om, stride_gm, TOP_K, TOP_K_POW2, ROW_K, True, True)
-        dtype = s_ptr.dtype.element_ty
-        mask = col_ok[None, :]
-        r = tl.load(res_ptr + token * stride_r + cols[None, :], mask=mask, other=0.0)
-        s = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # as add_zc_rms_norm(block output, residual)
-        tl.store(s_ptr + token * stride_s + cols[None, :], s, mask=mask)
-        tl.atomic_xchg(tile_count, 0, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
-        if tl.atomic_add(row_count, 1, sem="acq_rel", scope="gpu") == num_n - 1:  # the token's whole row of s is in
-            ds = tl.arange(0, BLOCK_D)
-            md = ds < H
-            sf = tl.load(s_ptr + token * stride_s + ds, mask=md, other=0.0, cache_modifier=".cg").to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)  # `_add_zc_rms_norm_kernel`'s reduction (same block, same warps)
-            nw = tl.load(norm_w_ptr + ds, mask=md, other=0.0).to(tl.float32)
-            tl.store(y_ptr + token * stride_y + ds, (sf * rstd * (1.0 + nw)).to(y_ptr.dtype.element_ty), mask=md)
-            tl.atomic_xchg(row_count, 0, sem="relaxed", scope="gpu")
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= C:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + rows)
+    valid = ids < T
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    w = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + ks
+        a = tl.load(h_ptr + rows[:, None] * stride_hm + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
+        wd = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=(cols[None, :] < H) & (kk[:, None] < I), other=0.0)
+        if DOT_F32:
+            a, wd = a.to(tl.float32), wd.to(tl.float32)
+        acc = tl.dot(a, wd, acc, input_precision="ieee")
+    y = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -387,11 +281,30 @@ def _combine_kernel(
     pdl.sync(PDL)
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slots = tl.arange(0, TOP_K_POW2)
+    big = 2147483647
     live = tokens < N
-    acc = _combine_tile(out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, tokens, live, cols,
-                        H, first, C, stride_om, stride_sm, stride_gm, TOP_K, TOP_K_POW2, ROW_K, SHARED, False)
+    ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=live[:, None] & (slots[None, :] < TOP_K), other=big).to(tl.int32)
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_TOK, BLOCK_H), dtype=tl.float32)
+    prev = tl.full((BLOCK_TOK,), -1, tl.int32)
+    for _ in tl.static_range(TOP_K):  # each token's experts in ascending id (top-k ids are distinct)
+        e = tl.min(tl.where(ids > prev[:, None], ids, big), 1)  # [BLOCK_TOK]
+        slot = tl.sum(tl.where(ids == e[:, None], slots[None, :], 0), 1)
+        prev = e
+        held = live & (e >= first) & (e < first + C)
+        row = (tokens * ROW_K + slot).to(tl.int64)
+        y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
+        w = tl.load(weights_ptr + tokens * TOP_K + slot, mask=held, other=0.0).to(tl.float32)
+        acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
     tokens = tokens.to(tl.int64)
-    tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=live[:, None] & (cols[None, :] < H))
+    mask = live[:, None] & (cols[None, :] < H)
+    if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
+        g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
+        gate = tl.sigmoid(g).to(dtype).to(tl.float32)
+        shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
+    tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 class RowBlocks(NamedTuple):
@@ -503,54 +416,6 @@ def row_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
     return direct_blocks(experts, first, count) if is_direct(experts.numel()) else align(experts, first, count)
 
 
-def _hidden_rows(
-    x: torch.Tensor,  # [N, H]
-    experts: torch.Tensor,  # [N, R] global expert ids, contiguous
-    gate_up: torch.Tensor,  # [C, 2I, H] contiguous
-    first: int,
-    blocks: RowBlocks | None,  # these experts' row blocks (route's, or forced by a test); None: made here
-) -> tuple[torch.Tensor, RowBlocks]:  # hidden [blocks * BLOCK_M, I] x.dtype, the row blocks
-    """The row blocks (direct or align launch) unless given, and gate_up."""
-    n, hidden = x.shape
-    row_k = experts.shape[1]
-    count, two_i, _ = gate_up.shape
-    inter = two_i // 2
-    rows = n * row_k
-    if blocks is None:
-        blocks = row_blocks(experts, first, count)
-    assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
-    nb = blocks.block_expert.shape[0]
-    hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    tiles, per_tile = _tiles(inter, GATE_UP_TILES, GATE_UP_BLOCK_N)
-    _gate_up_kernel[(nb, tiles)](
-        x, gate_up, hidden_rows, blocks.sorted_ids, blocks.block_expert,
-        rows, hidden, inter, count, per_tile,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if x.dtype == torch.float32 else GATE_UP_BLOCK_K,
-        DOT_F32=INTERPRET, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
-    )
-    return hidden_rows, blocks
-
-
-def _tiles(features: int, tiles: int, block_n: int) -> tuple[int, int]:
-    """(tiles, features a tile) of a GEMM's output features: `tiles` of them (0: block_n wide)."""
-    tiles = tiles or triton.cdiv(features, block_n)
-    per_tile = triton.cdiv(features, tiles)
-    assert per_tile <= block_n, f"{tiles} tiles of {features} features exceed {block_n} a tile"
-    return tiles, per_tile
-
-
-def _down_args(hidden_rows: torch.Tensor, down: torch.Tensor, out: torch.Tensor, blocks: RowBlocks) -> tuple:
-    """The arguments `_down_kernel` and `_down_exit_kernel` begin with, through per_tile."""
-    per_tile = _tiles(down.shape[1], DOWN_TILES, DOWN_BLOCK_N)[1]
-    return (hidden_rows, down, out, blocks.sorted_ids, blocks.block_expert, blocks.rows, down.shape[1], down.shape[2], blocks.count, per_tile)
-
-
-def _down_meta(dtype: torch.dtype) -> dict:
-    return dict(BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if dtype == torch.float32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-                num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs())
-
-
 def _expert_rows(
     x: torch.Tensor,  # [N, H]
     experts: torch.Tensor,  # [N, R] global expert ids, contiguous
@@ -560,10 +425,32 @@ def _expert_rows(
     blocks: RowBlocks | None,  # these experts' row blocks (route's, or forced by a test); None: made here
 ) -> torch.Tensor:  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
     """The row blocks (direct or align launch) unless given, gate_up, down."""
-    hidden_rows, blocks = _hidden_rows(x, experts, gate_up, first, blocks)
-    out = torch.empty((blocks.rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    _down_kernel[(blocks.block_expert.shape[0], _tiles(x.shape[1], DOWN_TILES, DOWN_BLOCK_N)[0])](
-        *_down_args(hidden_rows, down, out, blocks), hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0), **_down_meta(x.dtype),
+    n, hidden = x.shape
+    row_k = experts.shape[1]
+    count, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    rows = n * row_k
+    if blocks is None:
+        blocks = row_blocks(experts, first, count)
+    assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
+    sorted_ids, block_expert = blocks.sorted_ids, blocks.block_expert
+    nb = block_expert.shape[0]
+    fp32 = x.dtype == torch.float32
+    hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+        x, gate_up, hidden_rows, sorted_ids, block_expert,
+        rows, hidden, inter, count,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
+        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
+        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
+    )
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
+        hidden_rows, down, out, sorted_ids, block_expert,
+        rows, hidden, inter, count,
+        hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
+        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     return out
 
@@ -641,54 +528,3 @@ def moe_experts_with_shared(
     out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), 0, blocks)
     shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
     return _combine(out, experts, weights.contiguous(), 0, gate_up.shape[0], shared, shared_gate, y)
-
-
-def exit_fuses(rows: int, hidden: int) -> bool:
-    """Whether `moe_experts_with_shared_add_norm` runs the combine, add and norm at the end of the down
-    launch: the direct layout, and a norm row the down kernel's warps reduce as `add_zc_rms_norm` does."""
-    return FUSE_EXIT and is_direct(rows) and hidden <= 4096 and DOWN_WARPS == 4
-
-
-_exit_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def moe_experts_with_shared_add_norm(
-    x: torch.Tensor,  # [N, H]
-    experts: torch.Tensor,  # [N, top_k + 1] expert ids, column top_k = E (the shared expert)
-    weights: torch.Tensor,  # [N, top_k] renormalised router weights, x.dtype
-    gate_up: torch.Tensor,  # [E + 1, 2I, H]
-    down: torch.Tensor,  # [E + 1, H, I]
-    shared_gate: torch.Tensor,  # [N, 1] shared expert gate logit, x.dtype
-    residual: torch.Tensor,  # [N, H] the stream the block output is added to
-    norm_weight: torch.Tensor,  # [H] the zero-centred norm that follows
-    eps: float,
-    blocks: RowBlocks | None = None,  # these experts' row blocks (route's); None: made here
-) -> tuple[torch.Tensor, torch.Tensor]:  # s = residual + block output, zc_rms_norm(s) [N, H] x.dtype
-    """`add_zc_rms_norm(moe_experts_with_shared(...), residual, norm_weight, eps)` with its bits. In the
-    direct layout (`exit_fuses`) the down launch finishes the block: the program that writes a token's
-    last expert row of a column tile (a per-(token, tile) counter) combines that tile and adds the
-    residual (`_combine_tile`, as `_combine_kernel` does), and the last of the token's tiles (a
-    per-token counter) normalises its row as `_add_zc_rms_norm_kernel` does."""
-    n, hidden = x.shape
-    row_k = experts.shape[1]
-    if n == 0 or not exit_fuses(n * row_k, hidden):
-        return add_zc_rms_norm(moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks), residual, norm_weight, eps)
-    assert x.dtype == gate_up.dtype == down.dtype == residual.dtype, f"moe_experts_with_shared_add_norm: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}, residual {residual.dtype}"
-    x = x if x.stride(1) == 1 else x.contiguous()
-    residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    experts, weights, down = experts.contiguous(), weights.contiguous(), down.contiguous()
-    hidden_rows, blocks = _hidden_rows(x, experts, gate_up.contiguous(), 0, blocks)
-    out = torch.empty((blocks.rows, hidden), dtype=x.dtype, device=x.device)
-    s, h = torch.empty_like(x), torch.empty_like(x)
-    num_n = _tiles(hidden, DOWN_TILES, DOWN_BLOCK_N)[0]
-    if x.device not in _exit_counters:  # zero between launches; made on first use, before any graph capture
-        _exit_counters[x.device] = torch.zeros(DIRECT_MAX_ROWS * (triton.cdiv(4096, 16) + 1), dtype=torch.int32, device=x.device)
-    counters = _exit_counters[x.device]
-    assert n * (num_n + 1) <= counters.numel()
-    top_k = weights.shape[1]
-    _down_exit_kernel[(blocks.block_expert.shape[0], num_n)](
-        *_down_args(hidden_rows, down, out, blocks), experts, weights, shared_gate, residual, norm_weight.contiguous(), s, h, counters, eps,
-        hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0), shared_gate.stride(0), residual.stride(0), s.stride(0), h.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=row_k, BLOCK_D=triton.next_power_of_2(hidden), **_down_meta(x.dtype),
-    )
-    return s, h

@@ -7,9 +7,7 @@ with z; out_proj. Value head j reads key head j // (Hv / Hk).
 State handling (DESIGN.md invariant 4): in EXTEND mode the conv window and recurrent state advance
 in place; in VERIFY mode they are only read and each row's inputs are stashed; `commit` replays the
 accepted rows through the same batched recurrence and convolution. Each op covers all sequences of
-the step in one call (one kernel launch on the GPU). On the Triton path the convolution and the
-recurrence of decode and verify steps are one launch (`kernels.gdn_conv_fused_recurrent`, the bits
-of the two launches the commit replay runs).
+the step in one call (one kernel launch on the GPU).
 
 Prefill: in EXTEND mode whole CHUNK-aligned chunks of a prompt run the chunked form of the rule
 (`kernels.gdn_chunked_prefill`, equal to the recurrence up to fp32 rounding); the prompt's last
@@ -181,23 +179,14 @@ class GatedDeltaNet(nn.Module):
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
         if ctx.mode is ForwardMode.VERIFY:
+            conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
             if kernels.use_triton(x):
-                if kernels.FUSE_GDN_CONV:
-                    core, conv_out = kernels.gdn_conv_fused_recurrent(
-                        conv_pool, mixed_qkv, conv_weight, recurrent_pool, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch,
-                        write_state=False, return_conv_out=True, out_dtype=x.dtype,
-                    )
-                else:
-                    conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
-                    core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
+                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
             else:
-                conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
                 q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
                 core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
-        elif kernels.use_triton(x) and kernels.FUSE_GDN_CONV and split_extend(batch)[0] is None:  # decode: every row takes the recurrence
-            core, _ = kernels.gdn_conv_fused_recurrent(conv_pool, mixed_qkv, conv_weight, recurrent_pool, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, out_dtype=x.dtype)
         else:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch)
             core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)

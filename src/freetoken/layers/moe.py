@@ -18,12 +18,7 @@ the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode 
 writes the expert GEMMs' row blocks (one row per block), so with the stacked shared expert the add,
 norm and block are four launches (that one, gate_up, down, combine), and with a dense shared MLP
 seven (and the MLP's gate_up linear, silu_mul and down linear). Above that, the rows are grouped by
-expert first (align): one launch more. A row's result has the same bits either way. When the decoder
-layer also hands over the next layer's norm (`add_norm_forward_add_norm`), the stacked block in the
-direct layout ends inside its down launch: combine, residual add and that norm
-(`kernels.moe_experts_with_shared_add_norm`), so from the mixer's output to the next layer's input
-it is three launches (entry, gate_up, down); elsewhere the combine and `add_zc_rms_norm` follow, with
-the same bits.
+expert first (align): one launch more. A row's result has the same bits either way.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
@@ -95,33 +90,15 @@ class SparseMoE(nn.Module):
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(block(norm(x + residual)), x + residual): on the Triton path with merged gates the add, the
         norm, the gates and the routing are one launch (`kernels.moe_add_norm_route`); [N, H] each."""
-        if not self._entry_fuses(x):
+        if self.gates_weight is None or not kernels.use_triton(x) or not kernels.FUSE_MOE_ENTRY:
             residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
             return self(h), residual
-        h, residual, routing = self._entry(x, residual, norm)
-        return self._experts(h, *routing, self.stacked is not None), residual
-
-    def add_norm_forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, next_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s, next_norm(s)) for s = x + residual + block(norm(x + residual)), the stream after the block
-        and the next layer's input; [N, H] each. With the shared expert stacked, the block's exit (combine,
-        add, norm) joins its down launch at small sizes (`kernels.moe_experts_with_shared_add_norm`)."""
-        if not self._entry_fuses(x) or self.stacked is None:
-            out, residual = self.add_norm_forward(x, residual, norm)
-            return kernels.add_zc_rms_norm(out, residual, next_norm.weight, next_norm.eps)
-        h, residual, (experts, weights, blocks, shared_gate) = self._entry(x, residual, norm)
-        return kernels.moe_experts_with_shared_add_norm(h, experts, weights, *self.stacked, shared_gate, residual, next_norm.weight, next_norm.eps, blocks)
-
-    def _entry_fuses(self, x: torch.Tensor) -> bool:
-        return self.gates_weight is not None and kernels.use_triton(x) and kernels.FUSE_MOE_ENTRY
-
-    def _entry(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
-        """The fused entry launch -> (h, s, (experts, weights, blocks, shared gate logits))."""
         stacked = self.stacked is not None
         residual, h, experts, weights, shared_gate, blocks = kernels.moe_add_norm_route(
             x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, with_shared=stacked,
             first=0 if stacked else self.experts.first, count=None if stacked else self.experts.count,
         )
-        return h, residual, (experts, weights, blocks, shared_gate)
+        return self._experts(h, experts, weights, blocks, shared_gate, stacked), residual
 
     def _experts(self, x, experts, weights, blocks, shared_gate, stacked: bool) -> torch.Tensor:  # routed (and shared) experts of x [N, H] -> [N, H]
         if stacked:  # experts [N, top_k + 1], weights [N, top_k]

@@ -69,17 +69,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-    def forward_normed(self, residual: torch.Tensor, h: torch.Tensor, ctx: ForwardContext, next_norm: ZeroCenteredRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer on the stream `residual` whose input norm h it is given -> (the stream after the
-        layer s, next_norm(s)), so the adds fuse into the norms that follow them and a MoE block can end
-        with the next layer's norm."""
-        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        if isinstance(self.mlp, SparseMoE):
-            return self.mlp.add_norm_forward_add_norm(mixer(h, ctx), residual, self.post_attention_layernorm, next_norm)
-        residual, h = add_norm(mixer(h, ctx), residual, self.post_attention_layernorm)
-        return add_norm(self.mlp(h), residual, next_norm)
-
-
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, norm(x + residual)) in one pass; [N, H] each."""
     from freetoken import kernels
@@ -149,13 +138,10 @@ class Qwen35ForCausalLM(nn.Module):
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Run the rows of ctx through the trunk -> post-norm hidden [N, H]."""
-        layers = self.model.layers
-        residual = self.embed(ctx.input_ids)
-        h = layers[0].input_layernorm(residual) if len(layers) else self.model.norm(residual)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            residual, h = layer.forward_normed(residual, h, ctx, next_norm)
-        return h
+        x, residual = self.embed(ctx.input_ids), None
+        for layer in self.model.layers:
+            x, residual = layer.forward_residual(x, residual, ctx)
+        return add_norm(x, residual, self.model.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
         """Logits over the whole vocabulary (each rank's slice gathered in rank order)."""
