@@ -25,7 +25,8 @@ import triton.language as tl
 
 from freetoken.kernels import moe_triton, pdl
 
-GATE_ROWS = 8  # gate logits per program: (E + 1) / 8 programs per token, 33 at E = 256
+GATE_ROWS = 4  # gate logits per program: 65 programs per token at E = 256. H200, 35B-A3B decode step in one
+# run (bench/variants.py): 2.6655 ms at 4 rows, 2.6786 at 2, 2.6823 at 8, 2.8909 at 16 (logs/variants-gate-rows-35b-a26586a.jsonl)
 MAX_TOKENS_PER_LAUNCH = 1024  # bounds the per-token counters; longer calls are cut (no bits change)
 NUM_WARPS = 4  # as `add_zc_rms_norm` at H <= 4096, so h has its bits
 
