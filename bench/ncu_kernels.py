@@ -7,8 +7,12 @@
 
 (GPU only; the third round's four kernels, after two rounds of compiling and warming up.)
 """
+
 import torch
-from freetoken.kernels import moe_triton as mt, linear_triton as lt
+
+from freetoken.kernels import linear_triton as lt
+from freetoken.kernels import moe_triton as mt
+
 torch.manual_seed(0)
 H, E, K, I = 2048, 256, 8, 512
 gate_up = torch.randn(E + 1, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
