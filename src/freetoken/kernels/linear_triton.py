@@ -30,6 +30,7 @@ from freetoken.kernels.compat_triton import INTERPRET
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
+NUM_WARPS = 4  # warps a program (a setting for bench/variants.py: decode keeps one to two programs an SM busy)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     # Fewer programs than the target, each with a long K loop: each keeps more loads in flight
     # (pipelining changes no bits). At K = 2048 three stages measured faster.
     stages = 5 if n_tiles * split < TARGET_PROGRAMS and k_blocks // split >= 32 else 3
-    return LinearConfig(block_n, block_k, split, num_stages=stages)
+    return LinearConfig(block_n, block_k, split, num_warps=NUM_WARPS, num_stages=stages)
 
 
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
