@@ -20,12 +20,11 @@ down = torch.randn(E + 1, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
 w_in = torch.randn(12352, H, device="cuda", dtype=torch.bfloat16) * 0.02
 w_out = torch.randn(H, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
 x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
-for it in range(4):
-    logits = torch.randn(1, E, device="cuda")
-    experts, weights, blocks = mt.route(logits, K, torch.bfloat16, with_shared=True)
-    g = torch.randn(1, 1, device="cuda", dtype=torch.bfloat16)
-    y = mt.moe_experts_with_shared(x, experts, weights, gate_up, down, g, blocks)
-    a = lt.linear(x, w_in)
-    b = lt.linear(torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), w_out)
+o = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+g = torch.randn(1, 1, device="cuda", dtype=torch.bfloat16)
+for _ in range(4):
+    experts, weights, blocks = mt.route(torch.randn(1, E, device="cuda"), K, torch.bfloat16, with_shared=True)  # new experts each round
+    mt.moe_experts_with_shared(x, experts, weights, gate_up, down, g, blocks)
+    lt.linear(x, w_in)
+    lt.linear(o, w_out)
 torch.cuda.synchronize()
-print("ok")

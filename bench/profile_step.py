@@ -89,7 +89,8 @@ def _graph_profile(engine, steps: int, top: int) -> None:
         torch.cuda.synchronize()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
-    events = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     events.sort(key=lambda e: e["ts"])
     inc: dict[tuple, float] = defaultdict(float)
     dur: dict[tuple, float] = defaultdict(float)

@@ -75,4 +75,3 @@ def test_split_k_rows_are_invariant_and_launches_cut_cleanly(device, monkeypatch
         assert torch.equal(linear_triton.linear(x[i : i + 1], w), full[i : i + 1])
     monkeypatch.setattr(linear_triton, "MAX_ROWS_PER_LAUNCH", 16)  # several launches of one config
     assert torch.equal(linear_triton.linear(x, w), full)
-

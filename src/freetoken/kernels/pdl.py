@@ -52,4 +52,3 @@ def sync(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-

@@ -78,6 +78,11 @@ class MLP(nn.Module):
 
             self.gate_up_weight = merge_linears([self.gate_proj, self.up_proj])
 
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(x + residual)), x + residual); [N, H] each. The decoder layer's entry to every MLP block."""
+        residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
+        return self(h), residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         if self.gate_up_weight is not None:
             return self.down_proj(kernels.silu_mul(kernels.linear(x, self.gate_up_weight)))

@@ -83,8 +83,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
         router, shared_gate = self._gates(x)
         stacked = self.stacked is not None and kernels.use_triton(x)
-        routing = kernels.moe_route(router, self.top_k, x.dtype, with_shared=stacked, first=0 if stacked else self.experts.first,
-                                    count=None if stacked else self.experts.count)
+        routing = kernels.moe_route(router, self.top_k, x.dtype, **self._routed(stacked))
         return self._experts(x, *routing, shared_gate, stacked)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +94,13 @@ class SparseMoE(nn.Module):
             return self(h), residual
         stacked = self.stacked is not None
         residual, h, experts, weights, shared_gate, blocks = kernels.moe_add_norm_route(
-            x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, with_shared=stacked,
-            first=0 if stacked else self.experts.first, count=None if stacked else self.experts.count,
+            x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, **self._routed(stacked),
         )
         return self._experts(h, experts, weights, blocks, shared_gate, stacked), residual
+
+    def _routed(self, stacked: bool) -> dict:
+        """Routing's with_shared / first / count: the stacked shared expert as one more expert, else this rank's experts."""
+        return dict(with_shared=True, first=0, count=None) if stacked else dict(with_shared=False, first=self.experts.first, count=self.experts.count)
 
     def _experts(self, x, experts, weights, blocks, shared_gate, stacked: bool) -> torch.Tensor:  # routed (and shared) experts of x [N, H] -> [N, H]
         if stacked:  # experts [N, top_k + 1], weights [N, top_k]

@@ -63,10 +63,7 @@ class DecoderLayer(nn.Module):
         else:
             residual, h = add_norm(x, residual, self.input_layernorm)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        if isinstance(self.mlp, SparseMoE):  # the add + norm fused into the block's routing launch
-            return self.mlp.add_norm_forward(mixer(h, ctx), residual, self.post_attention_layernorm)
-        residual, h = add_norm(mixer(h, ctx), residual, self.post_attention_layernorm)
-        return self.mlp(h), residual
+        return self.mlp.add_norm_forward(mixer(h, ctx), residual, self.post_attention_layernorm)  # the MoE block fuses the add + norm into its routing
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
