@@ -80,6 +80,7 @@ DIRECT_MAX_ROWS = 32
 # logs/variants-35b-1f1fad3.jsonl). Narrower masked tiles that give every SM the same work were slower.
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 64, 4, 5
+GATE_UP_WEIGHT_LEFT, DOWN_WEIGHT_LEFT = 1, 1
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
@@ -204,7 +205,8 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_LEFT: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -219,25 +221,43 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
-        w_mask = (cols[None, :] < I) & (kk[:, None] < H)
-        wg = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w + (cols[None, :] + I) * stride_wn + kk[:, None], mask=w_mask, other=0.0)
-        if DOT_F32:
-            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_gate = tl.dot(x, wg, acc_gate, input_precision="ieee")
-        acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
+    if WEIGHT_LEFT:  # transposed tiles [BLOCK_N, BLOCK_M]: the weight tile is the dot's left operand
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
+            w_mask = (cols[:, None] < I) & (kk[None, :] < H)
+            wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+            wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+            if DOT_F32:
+                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
+        h_ptrs = h_ptr + rows[None, :] * stride_hm + cols[:, None]
+        h_mask = cols[:, None] < I
+    else:
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
+            w_mask = (cols[None, :] < I) & (kk[:, None] < H)
+            wg = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w + (cols[None, :] + I) * stride_wn + kk[:, None], mask=w_mask, other=0.0)
+            if DOT_F32:
+                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_gate = tl.dot(x, wg, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
+        h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
+        h_mask = cols[None, :] < I
     # The rounding steps of the reference (and of the dense MLP's linear + silu_mul): gate/up to
     # x.dtype, silu to x.dtype, product to x.dtype.
     dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], (act * up).to(dtype), mask=cols[None, :] < I)
+    tl.store(h_ptrs, (act * up).to(dtype), mask=h_mask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -245,7 +265,7 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_LEFT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -259,16 +279,29 @@ def _down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(h_ptr + rows[:, None] * stride_hm + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
-        wd = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=(cols[None, :] < H) & (kk[:, None] < I), other=0.0)
-        if DOT_F32:
-            a, wd = a.to(tl.float32), wd.to(tl.float32)
-        acc = tl.dot(a, wd, acc, input_precision="ieee")
-    y = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :], y, mask=valid[:, None] & (cols[None, :] < H))
+    if WEIGHT_LEFT:  # transposed tile [BLOCK_N, BLOCK_M], as in gate_up
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
+            wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
+            if DOT_F32:
+                a, wd = a.to(tl.float32), wd.to(tl.float32)
+            acc = tl.dot(wd, a, acc, input_precision="ieee")
+        out_ptrs = out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None]
+        out_mask = valid[None, :] & (cols[:, None] < H)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(h_ptr + rows[:, None] * stride_hm + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
+            wd = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=(cols[None, :] < H) & (kk[:, None] < I), other=0.0)
+            if DOT_F32:
+                a, wd = a.to(tl.float32), wd.to(tl.float32)
+            acc = tl.dot(a, wd, acc, input_precision="ieee")
+        out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :]
+        out_mask = valid[:, None] & (cols[None, :] < H)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -441,7 +474,7 @@ def _expert_rows(
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
+        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, WEIGHT_LEFT=bool(GATE_UP_WEIGHT_LEFT), DOT_F32=INTERPRET,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
@@ -449,7 +482,7 @@ def _expert_rows(
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, WEIGHT_LEFT=bool(DOWN_WEIGHT_LEFT), DOT_F32=INTERPRET,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     return out
