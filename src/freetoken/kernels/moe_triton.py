@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import pdl
+from freetoken.kernels import pdl, tma
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
@@ -80,7 +80,7 @@ DIRECT_MAX_ROWS = 32
 # logs/variants-35b-1f1fad3.jsonl). Narrower masked tiles that give every SM the same work were slower.
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 64, 4, 5
-GATE_UP_WEIGHT_LEFT, DOWN_WEIGHT_LEFT = 1, 1
+WEIGHT_TMA = 1  # weight tiles through TMA descriptors where the weights allow it (kernels/tma.py)
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
@@ -205,7 +205,7 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_LEFT: tl.constexpr,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
     DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
@@ -220,44 +220,34 @@ def _gate_up_kernel(
     tokens = (ids // ROW_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    w = w_ptr + e.to(tl.int64) * stride_we
-    if WEIGHT_LEFT:  # transposed tiles [BLOCK_N, BLOCK_M]: the weight tile is the dot's left operand
-        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + ks
-            x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
+    if W_TMA:  # w_ptr is the descriptor of the [C * 2I, H] view
+        gate_row = e * (2 * I) + pid_n * BLOCK_N
+    else:
+        w = w_ptr + e.to(tl.int64) * stride_we
+    # Transposed tiles [BLOCK_N, BLOCK_M]: the weight tile is the dot's left operand (wgmma on sm_90).
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
+        if W_TMA:
+            wg = w_ptr.load([gate_row, k0])
+            wu = w_ptr.load([gate_row + I, k0])
+        else:
             w_mask = (cols[:, None] < I) & (kk[None, :] < H)
             wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
             wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
-            if DOT_F32:
-                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
-        h_ptrs = h_ptr + rows[None, :] * stride_hm + cols[:, None]
-        h_mask = cols[:, None] < I
-    else:
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + ks
-            x = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
-            w_mask = (cols[None, :] < I) & (kk[:, None] < H)
-            wg = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=w_mask, other=0.0)
-            wu = tl.load(w + (cols[None, :] + I) * stride_wn + kk[:, None], mask=w_mask, other=0.0)
-            if DOT_F32:
-                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            acc_gate = tl.dot(x, wg, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
-        h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
-        h_mask = cols[None, :] < I
+        if DOT_F32:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
     # The rounding steps of the reference (and of the dense MLP's linear + silu_mul): gate/up to
     # x.dtype, silu to x.dtype, product to x.dtype.
     dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(h_ptrs, (act * up).to(dtype), mask=h_mask)
+    tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -265,7 +255,7 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_LEFT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -278,30 +268,23 @@ def _down_kernel(
     valid = ids < T
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    w = w_ptr + e.to(tl.int64) * stride_we
-    if WEIGHT_LEFT:  # transposed tile [BLOCK_N, BLOCK_M], as in gate_up
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            kk = k0 + ks
-            a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
-            wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
-            if DOT_F32:
-                a, wd = a.to(tl.float32), wd.to(tl.float32)
-            acc = tl.dot(wd, a, acc, input_precision="ieee")
-        out_ptrs = out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None]
-        out_mask = valid[None, :] & (cols[:, None] < H)
+    if W_TMA:  # w_ptr is the descriptor of the [C * H, I] view
+        first_row = e * H + pid_n * BLOCK_N
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            kk = k0 + ks
-            a = tl.load(h_ptr + rows[:, None] * stride_hm + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
-            wd = tl.load(w + cols[None, :] * stride_wn + kk[:, None], mask=(cols[None, :] < H) & (kk[:, None] < I), other=0.0)
-            if DOT_F32:
-                a, wd = a.to(tl.float32), wd.to(tl.float32)
-            acc = tl.dot(a, wd, acc, input_precision="ieee")
-        out_ptrs = out_ptr + ids[:, None].to(tl.int64) * stride_om + cols[None, :]
-        out_mask = valid[:, None] & (cols[None, :] < H)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        w = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + ks
+        a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
+        if W_TMA:
+            wd = w_ptr.load([first_row, k0])
+        else:
+            wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
+        if DOT_F32:
+            a, wd = a.to(tl.float32), wd.to(tl.float32)
+        acc = tl.dot(wd, a, acc, input_precision="ieee")
+    y = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -470,19 +453,24 @@ def _expert_rows(
     nb = block_expert.shape[0]
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
+    block_k = FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K
+    gate_up_2d, down_2d = gate_up.view(-1, hidden), down.view(-1, inter)  # [C * 2I, H], [C * H, I]
+    use_tma = bool(WEIGHT_TMA) and tma.usable(gate_up_2d) and tma.usable(down_2d)
+    gate_up_arg = tma.descriptor(gate_up_2d, GATE_UP_BLOCK_N, block_k) if use_tma else gate_up
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
-        x, gate_up, hidden_rows, sorted_ids, block_expert,
+        x, gate_up_arg, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, WEIGHT_LEFT=bool(GATE_UP_WEIGHT_LEFT), DOT_F32=INTERPRET,
+        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=block_k, W_TMA=use_tma, DOT_F32=INTERPRET,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    down_arg = tma.descriptor(down_2d, DOWN_BLOCK_N, FP32_BLOCK_K if fp32 else DOWN_BLOCK_K) if use_tma else down
     _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
-        hidden_rows, down, out, sorted_ids, block_expert,
+        hidden_rows, down_arg, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, WEIGHT_LEFT=bool(DOWN_WEIGHT_LEFT), DOT_F32=INTERPRET,
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, W_TMA=use_tma, DOT_F32=INTERPRET,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     return out
