@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
 
-from freetoken.kernels import linear_ref, linear_triton, tma  # noqa: E402
+from freetoken.kernels import linear_ref, linear_triton  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -75,24 +75,3 @@ def test_split_k_rows_are_invariant_and_launches_cut_cleanly(device, monkeypatch
         assert torch.equal(linear_triton.linear(x[i : i + 1], w), full[i : i + 1])
     monkeypatch.setattr(linear_triton, "MAX_ROWS_PER_LAUNCH", 16)  # several launches of one config
     assert torch.equal(linear_triton.linear(x, w), full)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_tiles_through_tma_give_the_same_bits(device, dtype, monkeypatch):
-    """The descriptor path (zeros past N and K, K slices on BLOCK_K boundaries) equals the masked
-    pointer path bit for bit, with and without a K split; rows TMA cannot take fall back."""
-    gen = torch.Generator().manual_seed(3)
-    cases = [(19, 304, 72), (5, 304, 72)] if device == "cpu" else [(37, 4104, 4160), (5, 12296, 1024)]
-    for m, k, n in cases:
-        x = torch.randn(m, k, generator=gen).to(dtype).to(device)
-        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
-        assert tma.usable(w) and k % linear_triton.config_for(n, k, dtype).block_k
-        monkeypatch.setattr(linear_triton, "WEIGHT_TMA", 1)
-        through_tma = linear_triton.linear(x, w)
-        monkeypatch.setattr(linear_triton, "WEIGHT_TMA", 0)
-        assert torch.equal(through_tma, linear_triton.linear(x, w)), f"{(m, k, n)}"
-    odd = torch.randn(8, 300 if dtype == torch.bfloat16 else 301).to(dtype).to(device)  # rows of 600 / 1204 bytes
-    assert not tma.usable(odd)
-    monkeypatch.setattr(linear_triton, "WEIGHT_TMA", 1)
-    torch.testing.assert_close(linear_triton.linear(odd[:3], odd).float(), (odd[:3].double() @ odd.double().T).float(), rtol=TOL[dtype], atol=TOL[dtype] * 10)

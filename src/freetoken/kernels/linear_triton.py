@@ -24,14 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import pdl, tma
+from freetoken.kernels import pdl
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
 NUM_WARPS = 4  # warps a program (a setting for bench/variants.py: decode keeps one to two programs an SM busy)
-WEIGHT_TMA = 1  # weight tiles through a TMA descriptor where the weight allows it (kernels/tma.py)
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,7 @@ def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, W_TMA: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -66,10 +64,7 @@ def _linear_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < k_end
-        if W_TMA:  # w_ptr is the weight's descriptor; a K slice ends on a BLOCK_K boundary or at K (zeros past it)
-            w = w_ptr.load([pid_n * BLOCK_N, k0])
-        else:
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
         if DOT_F32:
             w, x = w.to(tl.float32), x.to(tl.float32)
@@ -143,16 +138,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     cfg = cfg or config_for(n, k, weight.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
-    use_tma = bool(WEIGHT_TMA) and tma.usable(weight)
-    w_arg = tma.descriptor(weight, cfg.block_n, cfg.block_k) if use_tma else weight
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
         grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)
         _linear_kernel[grid](
-            x[r0:], w_arg, y[r0:], part, locks, rows, n, k, k_per_split,
+            x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, W_TMA=use_tma, DOT_F32=INTERPRET,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return y

@@ -26,10 +26,13 @@ holds each block's flat row ids, T marking padding (masked in every load and sto
             block from the prefix of ceil(count / BLOCK_M), then writes in ascending t the flat ids
             of its rows (padding to its last block = T) and the expert of its blocks; the surplus
             blocks up to max_blocks = min(C, T) + T // BLOCK_M + 1 get C.
-A row's result has the same bits in either layout and at any position in its block: a row of a
-tl.dot output depends only on that row of the left operand and on the right operand, and both
-layouts run the same kernels with the same tiles. (Not so under TRITON_INTERPRET: there tl.dot is
-NumPy's sgemm, which can round a tile's later rows differently; the first row of a tile agrees.)
+The GEMM tiles are transposed, [features, rows]: the weight tile is the dot's left operand, so on
+sm_90 the dot is a wgmma reading the weights from shared memory (with the rows on the left it is an
+mma.sync fed through ldmatrix, whose waits ncu showed stalling the decode GEMMs). A row's result
+has the same bits in either layout and at any position in its block: a column of a tl.dot output
+depends only on the left operand and that column of the right one, and both layouts run the same
+kernels with the same tiles. (Not so under TRITON_INTERPRET: there tl.dot is NumPy's sgemm, which
+can round a tile's later rows differently; the first row of a tile agrees.)
 
 Kernels:
   route     `_route_kernel`, one program per token: softmax of the router logits in fp32, top_k by
@@ -63,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import pdl, tma
+from freetoken.kernels import pdl
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
@@ -78,10 +81,15 @@ DIRECT_MAX_ROWS = 32
 # at 64 features a program measured 2.710 ms against 2.729 at 32 and 2.912 at 16, and down at 64-wide K
 # steps 2.693 against 2.710 ms at 128 (logs/variants-tiles-35b-24f6731.jsonl; 2.667 against 2.715 in
 # logs/variants-35b-1f1fad3.jsonl). Narrower masked tiles that give every SM the same work were slower.
+# With the transposed (wgmma) tiles, down at 128-wide K steps and 3 stages: 2.617 and 2.624 ms against
+# 2.636 to 2.645 at 64 (logs/variants-35b-e8f1e63.jsonl, logs/variants-35b-f12efc0.jsonl).
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
-DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 64, 4, 5
-WEIGHT_TMA = 1  # weight tiles through TMA descriptors where the weights allow it (kernels/tma.py)
+DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
+# down loads its row blocks, and combine its routing, before the PDL wait (pdl.py): both were written
+# by launches that finished before the launch just before them passed its own wait (down follows
+# gate_up, which follows whatever wrote the blocks; combine follows down), so they are visible.
+META_BEFORE_WAIT = 1
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
 BLOCK_H = 128  # hidden features per combine program
@@ -205,8 +213,7 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -220,23 +227,16 @@ def _gate_up_kernel(
     tokens = (ids // ROW_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    if W_TMA:  # w_ptr is the descriptor of the [C * 2I, H] view
-        gate_row = e * (2 * I) + pid_n * BLOCK_N
-    else:
-        w = w_ptr + e.to(tl.int64) * stride_we
+    w = w_ptr + e.to(tl.int64) * stride_we
     # Transposed tiles [BLOCK_N, BLOCK_M]: the weight tile is the dot's left operand (wgmma on sm_90).
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + ks
         x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
-        if W_TMA:
-            wg = w_ptr.load([gate_row, k0])
-            wu = w_ptr.load([gate_row + I, k0])
-        else:
-            w_mask = (cols[:, None] < I) & (kk[None, :] < H)
-            wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
-            wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+        w_mask = (cols[:, None] < I) & (kk[None, :] < H)
+        wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
         if DOT_F32:
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
@@ -255,31 +255,28 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, META_EARLY: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.sync(PDL)
+    if not META_EARLY:
+        pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= C:
-        return
+    e = tl.load(block_expert_ptr + pid_m)  # the row blocks: written two launches back (META_BEFORE_WAIT)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
+    if META_EARLY:
+        pdl.sync(PDL)
+    if e >= C:
+        return
     valid = ids < T
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    if W_TMA:  # w_ptr is the descriptor of the [C * H, I] view
-        first_row = e * H + pid_n * BLOCK_N
-    else:
-        w = w_ptr + e.to(tl.int64) * stride_we
+    w = w_ptr + e.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + ks
         a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
-        if W_TMA:
-            wd = w_ptr.load([first_row, k0])
-        else:
-            wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
+        wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
         if DOT_F32:
             a, wd = a.to(tl.float32), wd.to(tl.float32)
         acc = tl.dot(wd, a, acc, input_precision="ieee")
@@ -292,15 +289,24 @@ def _combine_kernel(
     out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
     N, H, first, C,
     stride_om, stride_sm, stride_gm, stride_ym,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr,
+    META_EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.sync(PDL)
+    if not META_EARLY:
+        pdl.sync(PDL)
     tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, TOP_K_POW2)
     big = 2147483647
     live = tokens < N
-    ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=live[:, None] & (slots[None, :] < TOP_K), other=big).to(tl.int32)
+    # The routing (experts, weights, shared gate): written three launches back (META_BEFORE_WAIT).
+    routed = live[:, None] & (slots[None, :] < TOP_K)
+    ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=routed, other=big).to(tl.int32)
+    weights = tl.load(weights_ptr + tokens[:, None] * TOP_K + slots[None, :], mask=routed, other=0.0).to(tl.float32)
+    if SHARED:
+        g = tl.load(gate_ptr + tokens.to(tl.int64) * stride_gm, mask=live, other=0.0).to(tl.float32)
+    if META_EARLY:
+        pdl.sync(PDL)
     dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_TOK, BLOCK_H), dtype=tl.float32)
     prev = tl.full((BLOCK_TOK,), -1, tl.int32)
@@ -311,12 +317,11 @@ def _combine_kernel(
         held = live & (e >= first) & (e < first + C)
         row = (tokens * ROW_K + slot).to(tl.int64)
         y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
-        w = tl.load(weights_ptr + tokens * TOP_K + slot, mask=held, other=0.0).to(tl.float32)
+        w = tl.sum(tl.where(slots[None, :] == slot[:, None], weights, 0.0), 1)  # the weight in that slot, exactly
         acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
     tokens = tokens.to(tl.int64)
     mask = live[:, None] & (cols[None, :] < H)
     if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
-        g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
         gate = tl.sigmoid(g).to(dtype).to(tl.float32)
         shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
@@ -453,24 +458,19 @@ def _expert_rows(
     nb = block_expert.shape[0]
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    block_k = FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K
-    gate_up_2d, down_2d = gate_up.view(-1, hidden), down.view(-1, inter)  # [C * 2I, H], [C * H, I]
-    use_tma = bool(WEIGHT_TMA) and tma.usable(gate_up_2d) and tma.usable(down_2d)
-    gate_up_arg = tma.descriptor(gate_up_2d, GATE_UP_BLOCK_N, block_k) if use_tma else gate_up
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
-        x, gate_up_arg, hidden_rows, sorted_ids, block_expert,
+        x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=block_k, W_TMA=use_tma, DOT_F32=INTERPRET,
+        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    down_arg = tma.descriptor(down_2d, DOWN_BLOCK_N, FP32_BLOCK_K if fp32 else DOWN_BLOCK_K) if use_tma else down
     _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
-        hidden_rows, down_arg, out, sorted_ids, block_expert,
+        hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, W_TMA=use_tma, DOT_F32=INTERPRET,
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, META_EARLY=bool(META_BEFORE_WAIT), DOT_F32=INTERPRET,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     return out
@@ -496,7 +496,7 @@ def _combine(
         out, experts, weights, shared, shared_gate, y,
         n, hidden, first, count,
         out.stride(0), shared.stride(0), shared_gate.stride(0), y.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4, **pdl.launch_kwargs(),
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, META_EARLY=bool(META_BEFORE_WAIT), num_warps=4, **pdl.launch_kwargs(),
     )
     return y
 
