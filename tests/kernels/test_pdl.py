@@ -1,8 +1,9 @@
 """Programmatic dependent launch: off where it cannot apply, and no kernel touches memory before its wait.
 
 A kernel launched with PDL that read or wrote memory before `griddepcontrol.wait` could race with the
-previous kernel, so every Triton kernel calls `pdl.sync(PDL)` before any load or store. Before it
-only weights may be read (never written by a kernel): the loads listed in EARLY_READS.
+previous kernel, so every Triton kernel calls `pdl.sync(PDL)` before any load or store, except the
+loads listed in EARLY_READS: of data the launch just before never writes (weights, host copies,
+buffers written two or more launches back; pdl.py).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def test_kernels_are_found():
 
 EARLY_READS = {  # kernel -> the loads it may issue before its wait
     "moe_gate_triton._add_norm_route_kernel": ["tl.load(gates_ptr", "tl.load(norm_w_ptr"],  # weights
-    # the batch's rows and slots (host copies), the state tile (this layer's earlier launches), weights
     "moe_triton._down_kernel": ["tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"],  # written two launches back
     "moe_triton._combine_kernel": ["tl.load(experts_ptr", "tl.load(weights_ptr", "tl.load(gate_ptr"],  # three launches back
+    "attention_triton._partition_kernel": ["tl.load(group_ptr", "tl.load(group_ptr", "tl.load(ctx_len_ptr", "tl.load(ctx_len_ptr", "tl.load(row_seq_ptr", "tl.load(table_ptr"],  # host copies
+    "attention_triton._merge_kernel": ["tl.load(ctx_len_ptr"],
+    "conv_triton._conv_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr"],
+    # the batch's rows and slots, the state tile (this layer's earlier launches), weights
     "gdn_triton._gdn_fused_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr"],
 }
 

@@ -8,12 +8,18 @@ launch of kernel i + 1 overlaps the work of kernel i while every kernel still st
 the previous one ended, as without PDL: no result changes. Stream capture keeps the programmatic
 edges in a CUDA graph. A kernel that follows a non-PDL kernel (a torch op) simply waits for it.
 
-A kernel may load weights before `sync` (they are never written by a kernel, so this is safe while
-the previous kernel still runs): the MoE entry loads its gate rows there. Loading more ahead of the
-wait was measured on the H200 and taken out, as it competes with the previous kernel's stream: L2 bulk
-prefetches (35B-A3B step 2.73 -> 2.86 ms with the MoE down weights; 9B 221 -> 211 tok/s with the
-start of each linear's rows) and each linear's first weight tile (9B 221.3 -> 210.8 tok/s across
-runs, no gain at 35B-A3B in the same run).
+A kernel may load, before `sync`, what the launch just before it never writes. When kernel i + 1
+starts, every program of kernel i has passed its own wait, so kernel i - 1 and all before it have
+finished and their writes are visible: weights, host copies into the step's buffers (row metadata,
+block tables) and buffers written two or more launches back are safe to read while kernel i still
+runs. Used for dependent chains that would otherwise start after the wait: the MoE entry's gate
+rows, the MoE down's row blocks and the combine's routing, the GDN state tile, the attention's
+metadata down to each key's cache slot, the convolution's row metadata (tests/kernels/test_pdl.py,
+EARLY_READS, lists each kernel's early loads). Streaming weights ahead of the wait was measured on
+the H200 and taken out, as it competes with the previous kernel's stream: L2 bulk prefetches
+(35B-A3B step 2.73 -> 2.86 ms with the MoE down weights; 9B 221 -> 211 tok/s with the start of each
+linear's rows) and each linear's first weight tile (9B 221.3 -> 210.8 tok/s across runs, no gain at
+35B-A3B in the same run).
 
 Off under the interpreter, on GPUs before sm_90, and with FREETOKEN_PDL=0.
 """
