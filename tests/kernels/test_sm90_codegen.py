@@ -1,0 +1,65 @@
+"""The decode GEMMs' sm_90 build (no GPU needed): the weight tile is the dot's left operand, so each
+dot compiles to wgmma reading the weights from shared memory, not to mma.sync fed through ldmatrix
+(whose waits ncu showed stalling the MoE GEMMs; moe_triton's docstring).
+
+The kernels are compiled for sm_90 in a process outside the interpreter, with the shipped tiles and
+the 16-divisibility the launcher specialises the pointers, sizes and strides on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+_BUILD = """
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from freetoken.kernels import linear_triton, moe_triton
+
+def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
+    signature = dict(pointers) | {name: "i32" for name in ints} | {name: "constexpr" for name in constants}
+    names = list(signature)
+    divisible = [n for n in names if signature[n] != "constexpr" and n not in unspecialised]
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return compile(source, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
+
+m, lt = moe_triton, linear_triton
+i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
+built = {
+    "gate_up": ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32,
+                   ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm"),
+                   dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False, PDL=True),
+                   {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}),
+    "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32,
+                ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om"),
+                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, META_EARLY=True, DOT_F32=False, PDL=True),
+                {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}),
+}
+cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
+built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
+                      ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
+                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=False, PDL=True),
+                      {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+json.dump({name: [p.count("wgmma.mma_async"), p.count("mma.sync")] for name, p in built.items()}, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def counts():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear"])
+def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
+    wgmma, mma_sync = counts[kernel]
+    assert wgmma > 0 and mma_sync == 0, f"{kernel}: {wgmma} wgmma, {mma_sync} mma.sync"
