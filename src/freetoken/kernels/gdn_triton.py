@@ -118,7 +118,7 @@ def _gdn_fused_kernel(
     vb = tl.program_id(2)
     # With STATE_EARLY these loads come before the wait: the batch's rows, slots and the state pool are
     # written by host copies and by this layer's own launches, never by the launch just before
-    # (module docstring), and the two parameters are weights.
+    # (STATE_BEFORE_WAIT), and the two parameters are weights.
     start = tl.load(starts_ptr + b).to(tl.int64)
     count = tl.load(counts_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
