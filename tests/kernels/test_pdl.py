@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import pkgutil
-import subprocess
-import sys
 
 import pytest
 
 import freetoken.kernels as kernels_pkg
 from freetoken.kernels import pdl
+from tests.kernels import sm90_build
 
 
 def _kernels():
@@ -53,7 +51,7 @@ EARLY_READS = {  # kernel -> the loads it may issue before its wait
 def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
     source = inspect.getsource(KERNELS[name].fn)
     assert "PDL: tl.constexpr" in source
-    before, sync, _ = source.rpartition("    pdl.sync(PDL)\n")  # a kernel may wait early or late (a constexpr): the later one
+    before, sync, _ = source.partition("    pdl.sync(PDL)\n")
     assert sync, f"{name} must call pdl.sync(PDL)"
     for read in EARLY_READS.get(name, []):
         assert read in before, f"{name}: {read} is listed but not found before the wait"
@@ -63,9 +61,8 @@ def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
 
 
 _SM90_PTX = """
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 from freetoken.kernels import moe_gate_triton
+from tests.kernels.sm90_build import ptx
 
 pointers = ("x_ptr", "r_ptr", "norm_w_ptr", "s_ptr", "h_ptr", "gates_ptr", "logits_ptr", "count_ptr",
             "experts_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr")
@@ -74,17 +71,14 @@ signature |= {name: "i32" for name in ("H", "G", "E")} | {"eps": "fp32"}
 signature |= {name: "i32" for name in ("stride_x", "stride_r", "stride_s", "stride_h", "stride_g", "stride_l", "T", "first", "C")}
 constants = {"BLOCK_H": 2048, "GATE_ROWS": moe_gate_triton.GATE_ROWS, "TOP_K": 8, "TOP_K_POW2": 8, "BLOCK_E": 256, "ROW_K": 9, "BLOCK_M": 16, "DIRECT": True, "PDL": True}
 signature |= {name: "constexpr" for name in constants}
-names = list(signature)
-source = ASTSource(moe_gate_triton._add_norm_route_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
-print(compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "launch_pdl": True}).asm["ptx"])
+print(ptx(moe_gate_triton._add_norm_route_kernel, signature, constants, {"num_warps": 4, "launch_pdl": True}))
 """
 
 
 def test_moe_entry_loads_its_gate_rows_before_the_wait_in_the_sm90_build():
     """Compile (no GPU needed; a process outside the interpreter) the fused MoE entry for sm_90 with PDL:
     the PTX loads from global memory (the gate rows), then waits, then releases the next kernel."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    ptx = subprocess.run([sys.executable, "-c", _SM90_PTX], env=env, capture_output=True, text=True, check=True).stdout
+    ptx = sm90_build.run(_SM90_PTX)
     order = [ptx.find(op) for op in ("ld.global", "griddepcontrol.wait", "griddepcontrol.launch_dependents")]
     assert -1 not in order and order == sorted(order)
 

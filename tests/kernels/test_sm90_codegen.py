@@ -9,27 +9,22 @@ the 16-divisibility the launcher specialises the pointers, sizes and strides on.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from tests.kernels import sm90_build  # noqa: E402
+
 _BUILD = """
 import json, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
 from freetoken.kernels import linear_triton, moe_triton
+from tests.kernels import sm90_build
 
 def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
     signature = dict(pointers) | {name: "i32" for name in ints} | {name: "constexpr" for name in constants}
-    names = list(signature)
-    divisible = [n for n in names if signature[n] != "constexpr" and n not in unspecialised]
-    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},
-                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
-    return compile(source, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
+    divisible = tuple(n for n in signature if signature[n] != "constexpr" and n not in unspecialised)
+    return sm90_build.ptx(kernel, signature, constants, options, divisible)
 
 m, lt = moe_triton, linear_triton
 i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
@@ -40,7 +35,7 @@ built = {
                    {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}),
     "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32,
                 ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om"),
-                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, META_EARLY=True, DOT_F32=False, PDL=True),
+                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, PDL=True),
                 {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}),
 }
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
@@ -54,9 +49,7 @@ json.dump({name: [p.count("wgmma.mma_async"), p.count("mma.sync")] for name, p i
 
 @pytest.fixture(scope="module")
 def counts():
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+    return json.loads(sm90_build.run(_BUILD))
 
 
 @pytest.mark.parametrize("kernel", ["gate_up", "down", "linear"])

@@ -47,9 +47,6 @@ BLOCK_N = 64
 PARTITION = 64  # keys per partition: exactly one BLOCK_N block
 NUM_WARPS = 8  # bench/attention_speed.py on the H200: 11.2 us a call at 576 keys, 14.8 with 4 warps
 WORKSPACE_BYTES = 64 << 20
-# Both kernels read their metadata (row groups, context lengths, block table: host copies into the
-# step's buffers) before the PDL wait (pdl.py), so only the q / K / V loads follow it.
-META_BEFORE_WAIT = 1
 
 
 @triton.jit
@@ -58,15 +55,13 @@ def _partition_kernel(
     group_ptr, row_seq_ptr, ctx_len_ptr, table_ptr,
     G, D, block_size, scale, num_parts, row0,
     q_row, q_head, kv_slot, kv_head, table_row,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, META_EARLY: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    if not META_EARLY:
-        pdl.sync(PDL)
     g = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
-    # The row groups, context lengths and block table are host copies (META_BEFORE_WAIT): this
-    # dependent chain of loads runs before the wait, down to each key's cache slot.
+    # The row groups, context lengths and block table are host copies: this dependent chain of loads
+    # runs before the wait (pdl.py), down to each key's cache slot; only the q / K / V loads follow it.
     first = tl.load(group_ptr + 2 * g).to(tl.int64)
     count = tl.load(group_ptr + 2 * g + 1)
     R = G_PAD // G
@@ -84,8 +79,7 @@ def _partition_kernel(
     mn = pos < group_len  # keys written for some row of the group (none: the partition is skipped)
     block = tl.load(table_ptr + seq * table_row + pos // block_size, mask=mn, other=0).to(tl.int64)
     slot = block * block_size + pos % block_size
-    if META_EARLY:
-        pdl.sync(PDL)
+    pdl.sync(PDL)
     if begin < group_len:
         heads = h * G + es % G
         ds = tl.arange(0, D_PAD)
@@ -117,18 +111,15 @@ def _partition_kernel(
 def _merge_kernel(
     m_ptr, l_ptr, acc_ptr, gate_ptr, o_ptr, ctx_len_ptr,
     D, num_parts, gate_row, gate_head, o_row, o_head,
-    HAS_GATE: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, META_EARLY: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, PDL: tl.constexpr,
 ):
-    if not META_EARLY:
-        pdl.sync(PDL)
     r = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
     ds = tl.arange(0, D_PAD)
     md = ds < D
-    parts = tl.cdiv(tl.load(ctx_len_ptr + r), PARTITION)  # a host copy: before the wait (META_BEFORE_WAIT)
+    parts = tl.cdiv(tl.load(ctx_len_ptr + r), PARTITION)  # a host copy: before the wait (pdl.py)
     base = (r * tl.num_programs(1) + hq) * num_parts
-    if META_EARLY:
-        pdl.sync(PDL)
+    pdl.sync(PDL)
     m = tl.load(m_ptr + base)
     for p in range(1, parts):
         m = tl.maximum(m, tl.load(m_ptr + base + p))
@@ -185,12 +176,12 @@ def paged_attention(
             q, k_cache, v_cache, m_ws, l_ws, acc_ws, groups[g0:], batch.row_seq, batch.context_lens, table,
             group, d, block_size, scale, num_parts, r0,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
-            G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, META_EARLY=bool(META_BEFORE_WAIT), DOT_F32=INTERPRET, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
+            G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
         _merge_kernel[(r1 - r0, num_q_heads)](
             m_ws, l_ws, acc_ws, g[r0:], out[r0:], batch.context_lens[r0:],
             d, num_parts, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, META_EARLY=bool(META_BEFORE_WAIT), num_warps=NUM_WARPS, **pdl.launch_kwargs(),
+            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
     return out
 

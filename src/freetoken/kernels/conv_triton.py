@@ -16,8 +16,6 @@ import triton.language as tl
 from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
-META_BEFORE_WAIT = 1  # the batch's rows and slots are read before the PDL wait (pdl.py)
-
 
 @triton.jit(do_not_specialize=["write_state"])
 def _conv_kernel(
@@ -25,17 +23,14 @@ def _conv_kernel(
     starts_ptr, counts_ptr, slots_ptr,
     C, write_state,
     win_slot, win_t, x_row, w_c, y_row,
-    KW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, META_EARLY: tl.constexpr, PDL: tl.constexpr,
+    KW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
-    if not META_EARLY:
-        pdl.sync(PDL)
     b = tl.program_id(0)
     cb = tl.program_id(1)
-    start = tl.load(starts_ptr + b).to(tl.int64)  # the batch's rows and slots: host copies, read before the wait
+    start = tl.load(starts_ptr + b).to(tl.int64)  # the batch's rows and slots: host copies, read before the wait (pdl.py)
     count = tl.load(counts_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    if META_EARLY:
-        pdl.sync(PDL)
+    pdl.sync(PDL)
     cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = cs < C
     win = win_ptr + slot * win_slot
@@ -87,6 +82,6 @@ def causal_conv1d(
         windows, rows, weight, out, batch.starts, batch.counts, batch.slots,
         c, int(write_state),
         windows.stride(0), windows.stride(1), rows.stride(0), weight.stride(0), out.stride(0),
-        KW=kw, BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), BLOCK_C=block_c, META_EARLY=bool(META_BEFORE_WAIT), num_warps=4, **pdl.launch_kwargs(),
+        KW=kw, BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), BLOCK_C=block_c, num_warps=4, **pdl.launch_kwargs(),
     )
     return out

@@ -20,12 +20,6 @@ import triton.language as tl
 from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
-# The fused kernel loads its sequence's state tile before the PDL wait (pdl.py): nothing the launch
-# just before writes it (the state is written by this layer's own launches of an earlier step, or
-# of the verify before a commit replay, both already finished once the previous launch has passed
-# its own wait), so the tile streams in while the short convolution still runs.
-STATE_BEFORE_WAIT = 1
-
 
 @triton.jit(do_not_specialize=["write_state", "write_output"])
 def _gdn_kernel(
@@ -109,16 +103,14 @@ def _gdn_fused_kernel(
     starts_ptr, counts_ptr, slots_ptr,
     Dk, Dv, key_dim, rep, scale, write_state, write_output,
     s_slot, s_head, s_k, x_row, a_row, b_row, o_row, o_head,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, STATE_EARLY: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
-    if not STATE_EARLY:
-        pdl.sync(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    # With STATE_EARLY these loads come before the wait: the batch's rows, slots and the state pool are
-    # written by host copies and by this layer's own launches, never by the launch just before
-    # (STATE_BEFORE_WAIT), and the two parameters are weights.
+    # Before the wait (pdl.py), so the state tile streams in while the short convolution still runs:
+    # the batch's rows and slots are host copies, the state is written only by this layer's own
+    # launches (of an earlier step, or the verify before a commit replay), the two parameters are weights.
     start = tl.load(starts_ptr + b).to(tl.int64)
     count = tl.load(counts_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -132,8 +124,7 @@ def _gdn_fused_kernel(
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    if STATE_EARLY:
-        pdl.sync(PDL)
+    pdl.sync(PDL)
     for t in range(count):
         row = start + t
         x = x_ptr + row * x_row
@@ -190,6 +181,6 @@ def gdn_fused(
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, STATE_EARLY=bool(STATE_BEFORE_WAIT), num_warps=4, **pdl.launch_kwargs(),
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4, **pdl.launch_kwargs(),
     )
     return out

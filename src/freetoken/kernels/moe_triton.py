@@ -77,19 +77,13 @@ BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows pa
 # more than the align launch saves.
 DIRECT_MAX_ROWS = 32
 # GEMM tiles (any fixed choice keeps rows invariant): output features, K step, warps, pipeline stages.
-# Chosen by bench/moe_speed.py on the H200, then in the 35B-A3B decode step (bench/variants.py): gate_up
-# at 64 features a program measured 2.710 ms against 2.729 at 32 and 2.912 at 16, and down at 64-wide K
-# steps 2.693 against 2.710 ms at 128 (logs/variants-tiles-35b-24f6731.jsonl; 2.667 against 2.715 in
-# logs/variants-35b-1f1fad3.jsonl). Narrower masked tiles that give every SM the same work were slower.
-# With the transposed (wgmma) tiles, down at 128-wide K steps and 3 stages: 2.617 and 2.624 ms against
-# 2.636 to 2.645 at 64 (logs/variants-35b-e8f1e63.jsonl, logs/variants-35b-f12efc0.jsonl).
+# Chosen in the 35B-A3B decode step on the H200 (bench/variants.py): gate_up at 64 features a program
+# 2.710 ms against 2.729 at 32 and 2.912 at 16 (logs/variants-tiles-35b-24f6731.jsonl); down at 128-wide
+# K steps and 3 stages 2.571 against 2.590 at 64 and 5 (logs/variants-35b-899fab2.jsonl). Narrower
+# masked tiles that give every SM the same work were slower (logs/variants-35b-1f1fad3.jsonl).
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
-# down loads its row blocks, and combine its routing, before the PDL wait (pdl.py): both were written
-# by launches that finished before the launch just before them passed its own wait (down follows
-# gate_up, which follows whatever wrote the blocks; combine follows down), so they are visible.
-META_BEFORE_WAIT = 1
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program
 BLOCK_H = 128  # hidden features per combine program
@@ -255,17 +249,14 @@ def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, META_EARLY: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    if not META_EARLY:
-        pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)  # the row blocks: written two launches back (META_BEFORE_WAIT)
+    e = tl.load(block_expert_ptr + pid_m)  # the row blocks, written before gate_up: read before the wait (pdl.py)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
-    if META_EARLY:
-        pdl.sync(PDL)
+    pdl.sync(PDL)
     if e >= C:
         return
     valid = ids < T
@@ -289,24 +280,20 @@ def _combine_kernel(
     out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
     N, H, first, C,
     stride_om, stride_sm, stride_gm, stride_ym,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr,
-    META_EARLY: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
-    if not META_EARLY:
-        pdl.sync(PDL)
-    tokens = tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
+    tokens = (tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, TOP_K_POW2)
     big = 2147483647
     live = tokens < N
-    # The routing (experts, weights, shared gate): written three launches back (META_BEFORE_WAIT).
+    # The routing (experts, weights, shared gate), written before gate_up: read before the wait (pdl.py).
     routed = live[:, None] & (slots[None, :] < TOP_K)
     ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=routed, other=big).to(tl.int32)
     weights = tl.load(weights_ptr + tokens[:, None] * TOP_K + slots[None, :], mask=routed, other=0.0).to(tl.float32)
     if SHARED:
-        g = tl.load(gate_ptr + tokens.to(tl.int64) * stride_gm, mask=live, other=0.0).to(tl.float32)
-    if META_EARLY:
-        pdl.sync(PDL)
+        g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
+    pdl.sync(PDL)
     dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_TOK, BLOCK_H), dtype=tl.float32)
     prev = tl.full((BLOCK_TOK,), -1, tl.int32)
@@ -315,11 +302,10 @@ def _combine_kernel(
         slot = tl.sum(tl.where(ids == e[:, None], slots[None, :], 0), 1)
         prev = e
         held = live & (e >= first) & (e < first + C)
-        row = (tokens * ROW_K + slot).to(tl.int64)
+        row = tokens * ROW_K + slot
         y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
         w = tl.sum(tl.where(slots[None, :] == slot[:, None], weights, 0.0), 1)  # the weight in that slot, exactly
         acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
-    tokens = tokens.to(tl.int64)
     mask = live[:, None] & (cols[None, :] < H)
     if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
         gate = tl.sigmoid(g).to(dtype).to(tl.float32)
@@ -470,7 +456,7 @@ def _expert_rows(
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, META_EARLY=bool(META_BEFORE_WAIT), DOT_F32=INTERPRET,
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     return out
@@ -496,7 +482,7 @@ def _combine(
         out, experts, weights, shared, shared_gate, y,
         n, hidden, first, count,
         out.stride(0), shared.stride(0), shared_gate.stride(0), y.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, META_EARLY=bool(META_BEFORE_WAIT), num_warps=4, **pdl.launch_kwargs(),
+        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4, **pdl.launch_kwargs(),
     )
     return y
 
