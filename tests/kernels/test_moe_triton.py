@@ -10,11 +10,12 @@ gated shared expert fused in == the fp32 partial finished by torch; the shared e
 expert E == the fp64 oracle, the torch reference and the dense shared MLP's Triton kernels, row by
 row invariant; SparseMoE's Triton path (unmerged, merged with the shared expert stacked, merged with
 a wider shared expert kept dense) == its torch path, row by row invariant, launching only the Triton
-kernels of the block (five when stacked, six above DIRECT_MAX_ROWS rows with align) and no torch op
+kernels of the block (four when stacked, align above DIRECT_MAX_ROWS routed rows, the combine's own
+launch above COMBINE_IN_DOWN_MAX_TOKENS tokens; the down launch's combine has the bits of that one) and no torch op
 that computes, and merging keeps the
 parameters' names, shapes and the torch path's result; on CUDA, the op and the whole block captured
 in a CUDA graph replay new inputs exactly as eager (no host sync in the path), and the block's
-kernel count seen by the profiler (five at one token).
+kernel count seen by the profiler (four at one token).
 On CPU the kernels run under TRITON_INTERPRET=1 at tiny shapes (H=64, E=8, top_k=2, I=32).
 Routing and align alone: test_moe_route_triton.py.
 """
@@ -208,6 +209,31 @@ def test_moe_with_shared_expert_fused(device, dtype):
             assert torch.equal(alone, got[i : i + 1]), f"row {i} alone differs"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_combine_in_down_equals_combine_launch(device, dtype, tokens, monkeypatch):
+    """The down launch's combine (its last program per feature tile; up to COMBINE_IN_DOWN_MAX_TOKENS
+    tokens) and the combine's own launch give the same bits: partial, with a shared expert, stacked."""
+    gate_up, down = weights_for(device, dtype)
+    x, experts, w = routing(tokens, device, dtype, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    shared = (torch.randn(x.shape, generator=gen) / 2).to(dtype).to(device)
+    gate = torch.randn(tokens, 1, generator=gen).to(dtype).to(device)
+    stacked_up, stacked_down = stacked_for(device, dtype)
+    num_experts = gate_up.shape[0]
+    calls = {
+        "partial": lambda: moe_triton.moe_experts(x, experts, w, gate_up, down),
+        "shared": lambda: moe_triton.moe_experts(x, experts, w, gate_up, down, 0, shared, gate),
+        "stacked": lambda: moe_triton.moe_experts_with_shared(x, with_shared(experts, num_experts), w, stacked_up, stacked_down, gate),
+    }
+    assert tokens <= moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
+    in_down = {name: call() for name, call in calls.items()}
+    monkeypatch.setattr(moe_triton, "COMBINE_IN_DOWN_MAX_TOKENS", 0)
+    for name, call in calls.items():
+        assert torch.equal(in_down[name], call()), f"{name}: the combine in the down launch differs from its own launch"
+
+
 def stacked_for(device, dtype):
     """gate_up [E + 1, 2I, H], down [E + 1, H, I]: the routed experts, then a shared expert."""
     gate_up, down = weights_for(device, dtype)
@@ -347,11 +373,12 @@ def launches(fn, monkeypatch):
 
 @pytest.mark.skipif(not INTERPRET, reason="counts launches under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("stacked", [True, False])
-@pytest.mark.parametrize("tokens", [5, 40])
+@pytest.mark.parametrize("tokens", [5, 40, 70])
 def test_sparse_moe_launches(stacked, tokens, monkeypatch):
     """Merged, one forward on the Triton path is the merged gate linear, route (which writes the direct
-    row blocks up to DIRECT_MAX_ROWS routed rows), align (above that only), gate_up, down and combine;
-    a shared expert wider than a routed one adds its own kernels. Torch only allocates and takes views."""
+    row blocks up to DIRECT_MAX_ROWS routed rows), align (above that only), gate_up, down, and combine
+    above COMBINE_IN_DOWN_MAX_TOKENS tokens only; a shared expert wider than a routed one adds its own
+    kernels. Torch only allocates and takes views."""
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     block = merged(moe_block(shared_size=None if stacked else 2 * shape("cpu")[3]))
     x = torch.randn(tokens, block.gate.weight.shape[1])
@@ -359,7 +386,9 @@ def test_sparse_moe_launches(stacked, tokens, monkeypatch):
     kernels, ops = launches(lambda: block(x), monkeypatch)
     direct = moe_triton.is_direct(tokens * (block.top_k + stacked))
     assert direct == (tokens == 5)
-    moe = ["_route_kernel", *([] if direct else ["_align_kernel"]), "_gate_up_kernel", "_down_kernel", "_combine_kernel"]
+    combine = tokens > moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
+    assert combine == (tokens == 70)
+    moe = ["_route_kernel", *([] if direct else ["_align_kernel"]), "_gate_up_kernel", "_down_kernel", *(["_combine_kernel"] if combine else [])]
     assert sorted(kernels) == sorted(["_linear_kernel", *moe, *([] if stacked else shared)]), kernels
     computing = [op for op in ops if not op.is_view and op.overloadpacket is not torch.ops.aten.empty]
     assert not computing, f"torch ops on the Triton path: {computing}"
@@ -435,14 +464,14 @@ def test_sparse_moe_replays_in_a_cuda_graph():
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
 def test_sparse_moe_kernel_count():
-    """Merged (the shared expert stacked as expert E), one forward of one token is five kernels: merged
-    gate linear, route (writing the direct row blocks), gate_up, down, combine; of 8 tokens (72 routed
-    rows) six, align too."""
+    """Merged (the shared expert stacked as expert E), one forward of one token is four kernels: merged
+    gate linear, route (writing the direct row blocks), gate_up, down (combining); of 8 tokens (72 routed
+    rows) five, align too; of 80 tokens six, the combine's own launch too."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     block = cuda_block()
-    xs = [torch.randn(n, shape("cuda")[0], device="cuda", dtype=torch.bfloat16) for n in (1, 8)]
+    xs = [torch.randn(n, shape("cuda")[0], device="cuda", dtype=torch.bfloat16) for n in (1, 8, 80)]
     for x in xs:
         block(x)  # compile and allocate first
     torch.cuda.synchronize()
@@ -454,6 +483,6 @@ def test_sparse_moe_kernel_count():
         return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
 
     assert block.stacked is not None
-    for x, count in zip(xs, (5, 6)):
+    for x, count in zip(xs, (4, 5, 6)):
         names = kernels_of(lambda: block(x))
         assert len(names) == count, names

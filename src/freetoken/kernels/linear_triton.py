@@ -115,6 +115,13 @@ def _workspace(device: torch.device, partial_floats: int, num_locks: int) -> tup
     return part, locks
 
 
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """[>= count] int32 counters, zero between launches: the split-K tiles' here, and any other kernel
+    whose last program to arrive finishes a tile (launches on a stream run one after another, and each
+    resets the counters it used before it ends)."""
+    return _workspace(device, 0, count)[1]
+
+
 def reserve_workspace(device: torch.device, weights: list[torch.Tensor]) -> None:
     """Allocate the split-K workspace for these weights up front (before CUDA-graph capture)."""
     for w in weights:

@@ -4,7 +4,8 @@ Nothing here reads device data on the host, so the whole block can be captured i
 every buffer, grid size and layout choice follows from N (tokens), top_k, E (router experts) and C
 (experts held by this rank). Routing is `route` after the merged router | shared-gate linear, or
 (in the model) `moe_gate_triton.add_norm_route`, which fuses it with the residual add, the norm and
-that linear; then gate_up, down and combine (align too above DIRECT_MAX_ROWS routed rows). When
+that linear; then gate_up and down, which combines up to COMBINE_IN_DOWN_MAX_TOKENS tokens (above
+that a combine launch; align too above DIRECT_MAX_ROWS routed rows). When
 the block holds its shared expert as expert E of the stacked weights [E + 1, ...]
 (`moe_experts_with_shared`), the shared expert is one more routed row of every token and needs no
 launches of its own; otherwise (`moe_experts`) it runs as a dense MLP before the combine.
@@ -44,12 +45,16 @@ Kernels:
             block's expert, then silu(gate) * up -> hidden [blocks * BLOCK_M, I], with the roundings
             of the dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
   down      `_down_kernel`: hidden @ down[e]^T -> out [T, H] in x.dtype, scattered back to flat rows.
-  combine   `_combine_kernel`: per token, its routed (first top_k) experts held here in ascending
+  combine   `_combine_tile`: per token, its routed (first top_k) experts held here in ascending
             id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
             does). Given the shared expert's output (a tensor, or the token's row of `out` for
             expert E) and gate logit it writes the block output in x.dtype,
             acc.to(dtype) + (sigmoid(g).to(dtype) * shared).to(dtype); otherwise the fp32 partial
-            (expert parallel: the ranks' partials are added before the shared expert).
+            (expert parallel: the ranks' partials are added before the shared expert). Up to
+            COMBINE_IN_DOWN_MAX_TOKENS tokens the down launch runs it: each program bumps its feature
+            tile's arrival counter after storing its rows, and the last to arrive combines the tile
+            for every token (as the split-K linear finishes a tile); above that `_combine_kernel`.
+            Elementwise per (token, feature), so both give the same bits.
 
 Row invariance (DESIGN.md invariant 5): every GEMM tile walks K from 0 upwards in BLOCK_K steps with
 fp32 accumulation and one configuration per dtype, the token count is not specialised on, routing is
@@ -66,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import pdl
+from freetoken.kernels import linear_triton, pdl
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
@@ -85,8 +90,11 @@ GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
-BLOCK_TOK = 16  # tokens per combine program
+BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
 BLOCK_H = 128  # hidden features per combine program
+# Up to this many tokens the down launch combines: the last of its programs to finish a feature tile
+# combines that tile for every token, so the block needs no combine launch.
+COMBINE_IN_DOWN_MAX_TOKENS = 64
 
 
 @triton.jit
@@ -244,12 +252,17 @@ def _gate_up_kernel(
     tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "N"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    # the combine, when COMBINE: as _combine_kernel's, plus the per-feature-tile arrival counters
+    experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr, counter_ptr,
+    N, first, stride_sm, stride_gm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -257,22 +270,70 @@ def _down_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
     pdl.sync(PDL)
-    if e >= C:
-        return
-    valid = ids < T
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    w = w_ptr + e.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
-    for k0 in range(0, I, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
-        wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
-        if DOT_F32:
-            a, wd = a.to(tl.float32), wd.to(tl.float32)
-        acc = tl.dot(wd, a, acc, input_precision="ieee")
-    y = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
+    if e < C:
+        valid = ids < T
+        ks = tl.arange(0, BLOCK_K)
+        w = w_ptr + e.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
+            wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
+            if DOT_F32:
+                a, wd = a.to(tl.float32), wd.to(tl.float32)
+            acc = tl.dot(wd, a, acc, input_precision="ieee")
+        y = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
+    if COMBINE:  # the last program of this feature tile to finish combines it for every token
+        tl.debug_barrier()  # every thread's rows are stored before the counter moves
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            for t0 in range(0, N, BLOCK_TOK):
+                _combine_tile(
+                    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+                    t0 + tl.arange(0, BLOCK_TOK), cols, N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym,
+                    TOP_K, TOP_K_POW2, ROW_K, SHARED, ".cg",
+                )
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _combine_tile(
+    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+    tokens, cols,  # [BLOCK_TOK] token ids, [BLOCK_H] hidden features
+    N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, SHARED: tl.constexpr, OUT_CACHE: tl.constexpr,
+):
+    """The block output of `tokens` x `cols` from their expert rows in `out` (module docstring, combine).
+    Elementwise per (token, feature): the same bits whatever the tile's shape."""
+    tokens = tokens.to(tl.int64)
+    slots = tl.arange(0, TOP_K_POW2)
+    big = 2147483647
+    live = tokens < N
+    routed = live[:, None] & (slots[None, :] < TOP_K)
+    ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=routed, other=big).to(tl.int32)
+    weights = tl.load(weights_ptr + tokens[:, None] * TOP_K + slots[None, :], mask=routed, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((tokens.shape[0], cols.shape[0]), dtype=tl.float32)
+    prev = tl.full(tokens.shape, -1, tl.int32)
+    for _ in tl.static_range(TOP_K):  # each token's experts in ascending id (top-k ids are distinct)
+        e = tl.min(tl.where(ids > prev[:, None], ids, big), 1)  # [BLOCK_TOK]
+        slot = tl.sum(tl.where(ids == e[:, None], slots[None, :], 0), 1)
+        prev = e
+        held = live & (e >= first) & (e < first + C)
+        row = tokens * ROW_K + slot
+        y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
+        w = tl.sum(tl.where(slots[None, :] == slot[:, None], weights, 0.0), 1)  # the weight in that slot, exactly
+        acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
+    mask = live[:, None] & (cols[None, :] < H)
+    if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
+        g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
+        gate = tl.sigmoid(g).to(dtype).to(tl.float32)
+        shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
+    tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -282,36 +343,12 @@ def _combine_kernel(
     stride_om, stride_sm, stride_gm, stride_ym,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
-    tokens = (tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    slots = tl.arange(0, TOP_K_POW2)
-    big = 2147483647
-    live = tokens < N
-    # The routing (experts, weights, shared gate), written before gate_up: read before the wait (pdl.py).
-    routed = live[:, None] & (slots[None, :] < TOP_K)
-    ids = tl.load(experts_ptr + tokens[:, None] * ROW_K + slots[None, :], mask=routed, other=big).to(tl.int32)
-    weights = tl.load(weights_ptr + tokens[:, None] * TOP_K + slots[None, :], mask=routed, other=0.0).to(tl.float32)
-    if SHARED:
-        g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
     pdl.sync(PDL)
-    dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_TOK, BLOCK_H), dtype=tl.float32)
-    prev = tl.full((BLOCK_TOK,), -1, tl.int32)
-    for _ in tl.static_range(TOP_K):  # each token's experts in ascending id (top-k ids are distinct)
-        e = tl.min(tl.where(ids > prev[:, None], ids, big), 1)  # [BLOCK_TOK]
-        slot = tl.sum(tl.where(ids == e[:, None], slots[None, :], 0), 1)
-        prev = e
-        held = live & (e >= first) & (e < first + C)
-        row = tokens * ROW_K + slot
-        y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0).to(tl.float32)
-        w = tl.sum(tl.where(slots[None, :] == slot[:, None], weights, 0.0), 1)  # the weight in that slot, exactly
-        acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
-    mask = live[:, None] & (cols[None, :] < H)
-    if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
-        gate = tl.sigmoid(g).to(dtype).to(tl.float32)
-        shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
-    tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    _combine_tile(
+        out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+        tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK), tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H),
+        N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym, TOP_K, TOP_K_POW2, ROW_K, SHARED, "",
+    )
 
 
 class RowBlocks(NamedTuple):
@@ -423,16 +460,39 @@ def row_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
     return direct_blocks(experts, first, count) if is_direct(experts.numel()) else align(experts, first, count)
 
 
+class _Combine(NamedTuple):
+    """What the combine reads besides the expert rows, and where it writes (module docstring, combine)."""
+
+    experts: torch.Tensor  # [N, R], the first top_k columns routed, contiguous
+    weights: torch.Tensor  # [N, top_k] contiguous
+    shared: torch.Tensor | None  # [N, H] unit column stride (None: y is the fp32 partial)
+    shared_gate: torch.Tensor | None  # [N, 1]
+    y: torch.Tensor  # [N, H] the result
+    first: int
+    count: int
+
+    def launch_args(self) -> tuple:
+        """(experts, weights, shared, gate, y, N, H, first, C, stride_sm, stride_gm, stride_ym) and the constexprs."""
+        n, hidden = self.y.shape
+        top_k = self.weights.shape[1]
+        shared, gate = (self.shared, self.shared_gate) if self.shared is not None else (self.y, self.y)  # unread stand-ins
+        meta = dict(TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=self.experts.shape[1], BLOCK_TOK=BLOCK_TOK, SHARED=self.shared is not None)
+        return (self.experts, self.weights, shared, gate, self.y), (n, hidden, self.first, self.count), (shared.stride(0), gate.stride(0), self.y.stride(0)), meta
+
+
 def _expert_rows(
     x: torch.Tensor,  # [N, H]
-    experts: torch.Tensor,  # [N, R] global expert ids, contiguous
     gate_up: torch.Tensor,  # [C, 2I, H] contiguous
     down: torch.Tensor,  # [C, H, I] contiguous
-    first: int,
     blocks: RowBlocks | None,  # these experts' row blocks (route's, or forced by a test); None: made here
-) -> torch.Tensor:  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
-    """The row blocks (direct or align launch) unless given, gate_up, down."""
+    out: torch.Tensor,  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
+    combine: _Combine,
+) -> None:
+    """The row blocks (direct or align launch) unless given, gate_up, down and the combine: in the down
+    launch up to COMBINE_IN_DOWN_MAX_TOKENS tokens (its last program per feature tile), else its own launch.
+    Either way each (token, feature) of y gets the same bits (`_combine_tile`)."""
     n, hidden = x.shape
+    experts, first = combine.experts, combine.first
     row_k = experts.shape[1]
     count, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -451,40 +511,24 @@ def _expert_rows(
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
-    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    _down_kernel[(nb, triton.cdiv(hidden, DOWN_BLOCK_N))](
+    ptrs, sizes, strides, meta = combine.launch_args()
+    in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS
+    feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
+    counters = linear_triton.arrival_counters(x.device, feature_tiles) if in_down else out
+    _down_kernel[(nb, feature_tiles)](
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        *ptrs, counters, n, first, *strides,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
+        COMBINE=in_down, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
-    return out
-
-
-def _combine(
-    out: torch.Tensor,  # [N * R, H] expert rows
-    experts: torch.Tensor,  # [N, R], the first top_k columns routed
-    weights: torch.Tensor,  # [N, top_k] contiguous
-    first: int,
-    count: int,
-    shared: torch.Tensor | None,  # [N, H] unit column stride
-    shared_gate: torch.Tensor | None,  # [N, 1]
-    y: torch.Tensor,  # [N, H] result
-) -> torch.Tensor:
-    """Each token's weighted routed rows in fp32 into y (fp32), or with the gated shared expert (x.dtype)."""
-    n, hidden = y.shape
-    top_k = weights.shape[1]
-    with_shared = shared is not None
-    if not with_shared:
-        shared, shared_gate = y, y  # unused
-    _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
-        out, experts, weights, shared, shared_gate, y,
-        n, hidden, first, count,
-        out.stride(0), shared.stride(0), shared_gate.stride(0), y.stride(0),
-        TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=experts.shape[1], BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, SHARED=with_shared, num_warps=4, **pdl.launch_kwargs(),
-    )
-    return y
+    if not in_down:
+        meta.pop("BLOCK_TOK")
+        _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
+            out, *ptrs, *sizes, out.stride(0), *strides,
+            BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, num_warps=4, **pdl.launch_kwargs(),
+        )
 
 
 def moe_experts(
@@ -506,10 +550,12 @@ def moe_experts(
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     experts = experts.contiguous()
-    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), first, blocks)
     if with_shared:
         shared = shared if shared.stride(1) == 1 else shared.contiguous()
-    return _combine(out, experts, weights.contiguous(), first, gate_up.shape[0], shared, shared_gate, y)
+    out = torch.empty((experts.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, first, gate_up.shape[0])
+    _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine)
+    return y
 
 
 def moe_experts_with_shared(
@@ -532,6 +578,8 @@ def moe_experts_with_shared(
     x = x if x.stride(1) == 1 else x.contiguous()
     experts = experts.contiguous()
     row_k = experts.shape[1]
-    out = _expert_rows(x, experts, gate_up.contiguous(), down.contiguous(), 0, blocks)
+    out = torch.empty((n * row_k, hidden), dtype=x.dtype, device=x.device)
     shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
-    return _combine(out, experts, weights.contiguous(), 0, gate_up.shape[0], shared, shared_gate, y)
+    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
+    _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine)
+    return y

@@ -15,10 +15,11 @@ Launches per block on the Triton path, merged: the decoder layer hands the block
 and the residual (`add_norm_forward`), and one launch does the residual add, the post-attention norm,
 the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode and verify sizes
 (N * R <= 32 routed rows, R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) it also
-writes the expert GEMMs' row blocks (one row per block), so with the stacked shared expert the add,
-norm and block are four launches (that one, gate_up, down, combine), and with a dense shared MLP
-seven (and the MLP's gate_up linear, silu_mul and down linear). Above that, the rows are grouped by
-expert first (align): one launch more. A row's result has the same bits either way.
+writes the expert GEMMs' row blocks (one row per block), and up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
+tokens the down launch also combines, so with the stacked shared expert the add, norm and block are
+three launches (that one, gate_up, down), and with a dense shared MLP six (and the MLP's gate_up
+linear, silu_mul and down linear). Above those sizes, the rows are grouped by expert first (align)
+and the combine has its own launch: one launch more each. A row's result has the same bits either way.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
