@@ -21,6 +21,7 @@ def ptx(kernel, signature: dict[str, str], constants: dict, options: dict, divis
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
+    signature = {name: signature[name] for name in kernel.arg_names}  # in the kernel's argument order
     names = list(signature)
     source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
