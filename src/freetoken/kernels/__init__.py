@@ -64,34 +64,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_ref.linear(x, weight)
 
 
-def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(s) * (1 + w)) @ weight^T and s, with s = x + residual (x when residual is None); x, residual
-    [M, K], weight [N, K] -> ([M, N], s). One launch on the Triton path where the weight's K is not
-    split (linear_triton.add_norm_linear: the norm's rstd scales the dot's result), else the norm and
-    the linear."""
-    if use_triton(x):
-        from freetoken.kernels import linear_triton
-
-        cfg = linear_triton.norm_linear_config(weight)
-        if cfg is not None:
-            return linear_triton.add_norm_linear(x, residual, norm_weight, eps, weight, cfg)
-    s, h = (x, zc_rms_norm(x, norm_weight, eps)) if residual is None else add_zc_rms_norm(x, residual, norm_weight, eps)
-    return linear(h, weight), s
-
-
-def gated_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, act: str, weight: torch.Tensor) -> torch.Tensor:
-    """(w * norm(x) * act(gate) per head) @ weight^T; x, gate [M, heads, D], weight [N, heads * D] -> [M, N].
-    One launch on the Triton path where a head is one K step (linear_triton.gated_norm_linear), else
-    the norm and the linear."""
-    if use_triton(x):
-        from freetoken.kernels import linear_triton
-
-        cfg = linear_triton.gated_norm_config(weight, x.shape[-1])
-        if cfg is not None:
-            return linear_triton.gated_norm_linear(x, gate, norm_weight, eps, act, weight, cfg)
-    return linear(gated_rms_norm(x, gate, norm_weight, eps, act).reshape(x.shape[0], -1), weight)
-
-
 def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """norm(x) * (1 + w); x [..., D], weight [D]."""
     if use_triton(x):
@@ -260,12 +232,10 @@ def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: tor
 
 __all__ = [
     "SeqBatch",
-    "add_norm_linear",
     "add_zc_rms_norm",
     "silu_mul",
     "apply_rope",
     "causal_conv1d_batched",
-    "gated_norm_linear",
     "gated_rms_norm",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",

@@ -31,7 +31,6 @@ BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
 NUM_WARPS = 4  # warps a program (a setting for bench/variants.py: decode keeps one to two programs an SM busy)
-FUSE_INPUT_NORMS = 1  # gated_norm_linear / add_norm_linear apply (0: the norm's own launch; for A/B timing)
 
 
 @dataclass(frozen=True)
@@ -43,35 +42,12 @@ class LinearConfig:
     num_stages: int = 3
 
 
-@triton.jit
-def _gated_head_norm(x, z, nw, eps, HEAD_DIM: tl.constexpr, ACT: tl.constexpr, NORM_F32: tl.constexpr):
-    """x, z [HEAD_DIM, BLOCK_M] (one head of BLOCK_M rows), nw [HEAD_DIM] -> (nw * norm(x)) * act(z) in
-    x's dtype, rounded as norm_triton's gated form (NORM_F32: the norm weight is fp32)."""
-    dtype = x.dtype
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / HEAD_DIM + eps)
-    n = (xf * rstd[None, :]).to(dtype).to(tl.float32)
-    y = nw.to(tl.float32)[:, None] * n
-    if not NORM_F32:
-        y = y.to(dtype).to(tl.float32)
-    zf = z.to(tl.float32)
-    if ACT == 0:
-        y = y * (zf * tl.sigmoid(zf))
-    else:
-        y = y * tl.sigmoid(zf)
-    return y.to(dtype)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    # the input transform (XFORM): 1 the gated head norm of x with z = aux; 2 the zero-centred norm of
-    # s = x + aux (aux = the residual when HAS_RESIDUAL, s stored to s_ptr), applied as rstd after the dot
-    aux_ptr, s_ptr, nw_ptr, stride_am, stride_sm, eps,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    XFORM: tl.constexpr, ACT: tl.constexpr, NORM_F32: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -85,30 +61,14 @@ def _linear_kernel(
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile: the weight is the dot's wide operand
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # XFORM 2: each row's sum of s^2 over K
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < k_end
         w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x_mask = row_ok[None, :] & k_ok[:, None]
-        x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=x_mask, other=0.0)
-        if XFORM == 1:  # this K step is one head (BLOCK_K = head_dim)
-            z = tl.load(aux_ptr + rows[None, :] * stride_am + kk[:, None], mask=x_mask, other=0.0)
-            x = _gated_head_norm(x, z, tl.load(nw_ptr + ks), eps, BLOCK_K, ACT, NORM_F32)
-        elif XFORM == 2:
-            if HAS_RESIDUAL:
-                r = tl.load(aux_ptr + rows[None, :] * stride_am + kk[:, None], mask=x_mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like a torch add
-                if pid_n == 0:
-                    tl.store(s_ptr + rows[None, :] * stride_sm + kk[:, None], x, mask=x_mask)
-            sf = x.to(tl.float32)
-            sum_sq += tl.sum(sf * sf, axis=0)
-            x = (sf * (1.0 + tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32))[:, None]).to(x.dtype)
+        x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
         if DOT_F32:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, x, acc, input_precision="ieee")
-    if XFORM == 2:  # SPLIT == 1: this program saw all of K
-        acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[None, :]
     out_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
     out_mask = row_ok[None, :] & col_ok[:, None]
     if SPLIT == 1:
@@ -129,11 +89,9 @@ def _linear_kernel(
             tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
-def config_for(n: int, k: int, dtype: torch.dtype, block_k: int | None = None) -> LinearConfig:
-    """The launch configuration of an [N, K] weight: a function of the weight's shape and dtype (and the
-    K step, where a fused input transform fixes it) only."""
-    block_n = 64
-    block_k = block_k or (32 if dtype == torch.float32 else 128)
+def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The launch configuration of an [N, K] weight: a function of the weight's shape and dtype only."""
+    block_n, block_k = (64, 32) if dtype == torch.float32 else (64, 128)
     n_tiles = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(k_blocks // 4, TARGET_PROGRAMS // n_tiles))  # each slice keeps >= 4 K blocks
@@ -175,17 +133,18 @@ def _launch_workspace(device: torch.device, m: int, n: int, cfg: LinearConfig):
     return _workspace(device, tiles * cfg.split * cfg.block_n * BLOCK_M, tiles)
 
 
-def _run(x, weight, y, cfg: LinearConfig, xform: int = 0, aux=None, s=None, norm_weight=None, eps: float = 0.0, act: int = 0) -> torch.Tensor:
-    """Launch the kernel over x's rows (MAX_ROWS_PER_LAUNCH at a time) into y."""
+def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation."""
+    assert x.dtype == weight.dtype, f"linear: x is {x.dtype}, weight is {weight.dtype}"
     m, k = x.shape
     n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    cfg = cfg or config_for(n, k, weight.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
-    has_residual = aux is not None and xform == 2
-    aux = x if aux is None else aux
-    s = x if s is None else s
-    norm_weight = x if norm_weight is None else norm_weight
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
@@ -193,61 +152,7 @@ def _run(x, weight, y, cfg: LinearConfig, xform: int = 0, aux=None, s=None, norm
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
-            aux[r0:], s[r0:], norm_weight, aux.stride(0), s.stride(0), eps,
             BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
-            XFORM=xform, ACT=act, NORM_F32=norm_weight.dtype == torch.float32, HAS_RESIDUAL=has_residual,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return y
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation."""
-    assert x.dtype == weight.dtype, f"linear: x is {x.dtype}, weight is {weight.dtype}"
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    return _run(_unit_stride(x), _unit_stride(weight), y, cfg or config_for(n, k, weight.dtype))
-
-
-def gated_norm_config(weight: torch.Tensor, head_dim: int) -> LinearConfig | None:
-    """The configuration of `gated_norm_linear` for this weight and head size, or None where the fused
-    form does not apply (the head must be one power-of-two K step of at least 16)."""
-    if not FUSE_INPUT_NORMS or head_dim < 16 or head_dim & (head_dim - 1) or weight.shape[1] % head_dim:
-        return None
-    return config_for(weight.shape[0], weight.shape[1], weight.dtype, block_k=head_dim)
-
-
-def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, act: str, weight: torch.Tensor, cfg: LinearConfig) -> torch.Tensor:
-    """(norm_weight * norm(x) * act(z) per head) @ weight^T: x, z [M, heads, D] (unit stride within a
-    row's heads), norm_weight [D], weight [N, heads * D] -> [M, N]. Each K step is one head, normalised
-    as it is loaded (`_gated_head_norm`, the rounding of norm_triton's gated form)."""
-    m, heads, d = x.shape
-    assert x.dtype == weight.dtype and cfg.block_k == d, f"gated_norm_linear: x {x.dtype} {tuple(x.shape)}, weight {weight.dtype}, K step {cfg.block_k}"
-    x2, z2 = x.reshape(m, heads * d), z.reshape(m, heads * d) if z.stride(1) == d and z.stride(2) == 1 else z.contiguous().reshape(m, heads * d)
-    y = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
-    return _run(_unit_stride(x2), _unit_stride(weight), y, cfg, 1, z2, None, norm_weight.contiguous(), eps, {"silu": 0, "sigmoid": 1}[act])
-
-
-def norm_linear_config(weight: torch.Tensor) -> LinearConfig | None:
-    """The configuration of `add_norm_linear` for this weight, or None where the fused form does not
-    apply (K split over programs: the norm needs a row's whole sum of squares)."""
-    cfg = config_for(weight.shape[0], weight.shape[1], weight.dtype)
-    return cfg if cfg.split == 1 and FUSE_INPUT_NORMS else None
-
-
-def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, cfg: LinearConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(zero-centred norm of s = x + residual) @ weight^T and s: x, residual [M, K], norm_weight [K],
-    weight [N, K] -> ([M, N], s [M, K]; s is x when residual is None). The dot takes s * (1 + w) rounded
-    to x.dtype and each row's result is scaled by its rstd after the dot (one program sees all of K)."""
-    m, k = x.shape
-    assert x.dtype == weight.dtype and cfg.split == 1, f"add_norm_linear: x {x.dtype}, weight {weight.dtype}, split {cfg.split}"
-    x = _unit_stride(x)
-    s = x if residual is None else torch.empty_like(x)
-    y = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
-    _run(x, _unit_stride(weight), y, cfg, 2, None if residual is None else _unit_stride(residual), s, norm_weight.contiguous(), eps)
-    return y, s

@@ -59,17 +59,12 @@ class GatedAttention(nn.Module):
 
     def _project(self, x: torch.Tensor):
         """x [N, H] -> q_gate [N, Hq, 2D], k, v [N, Hkv, D]."""
+        n = x.shape[0]
         if self.qkv_weight is None:
-            return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        return self._split_projection(kernels.linear(x, self.qkv_weight))
-
-    def _split_projection(self, y: torch.Tensor):
-        """The merged projection's output [N, Hq * 2D + 2 Hkv * D] -> q_gate, k, v (views)."""
-        kv = self.num_kv_heads * self.head_dim
-        return self._heads(*torch.split(y, [self.qkv_weight.shape[0] - 2 * kv, kv, kv], dim=-1))
-
-    def _heads(self, q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        n = q_gate.shape[0]
+            q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv = self.num_kv_heads * self.head_dim
+            q_gate, k, v = torch.split(kernels.linear(x, self.qkv_weight), [self.qkv_weight.shape[0] - 2 * kv, kv, kv], dim=-1)
         return q_gate.view(n, self.num_heads, 2 * self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
@@ -81,22 +76,10 @@ class GatedAttention(nn.Module):
         return cached
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
-        return self._attend(*self._project(x), ctx)
-
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer on norm(x + residual) (x alone when residual is None) -> (its output, x + residual),
-        [N, H] each; merged, the add and the norm run in the qkv projection's launch."""
-        if self.qkv_weight is None:
-            residual, h = (x, norm(x)) if residual is None else kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
-            return self(h, ctx), residual
-        y, residual = kernels.add_norm_linear(x, residual, norm.weight, norm.eps, self.qkv_weight)
-        return self._attend(*self._split_projection(y), ctx), residual
-
-    def _attend(self, q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The projected heads (`_project`) -> the layer's output [N, H]."""
-        n = q_gate.shape[0]
+        n = x.shape[0]
+        q_gate, k, v = self._project(x)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
-        q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(q_gate.device), k_cache, v_cache, ctx.slot_mapping)
+        q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(x.device), k_cache, v_cache, ctx.slot_mapping)
         out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

@@ -140,16 +140,13 @@ class GatedDeltaNet(nn.Module):
 
     def _project(self, x: torch.Tensor):
         """x [N, H] -> mixed_qkv [N, C], z [N, Hv, Dv], b, a [N, Hv] (column views when merged)."""
+        n = x.shape[0]
         if self.in_proj_weight is None:
             mixed_qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-            return mixed_qkv, z.view(x.shape[0], self.num_v_heads, self.v_head_dim), b, a
-        return self._split_projection(kernels.linear(x, self.in_proj_weight))
-
-    def _split_projection(self, y: torch.Tensor):
-        """The merged projection's output [N, C + Hv * Dv + 2 Hv] -> mixed_qkv, z [N, Hv, Dv], b, a (views)."""
-        hv = self.num_v_heads
-        mixed_qkv, z, b, a = torch.split(y, [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
-        return mixed_qkv, z.view(y.shape[0], hv, self.v_head_dim), b, a
+        else:
+            hv = self.num_v_heads
+            mixed_qkv, z, b, a = torch.split(kernels.linear(x, self.in_proj_weight), [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
+        return mixed_qkv, z.view(n, self.num_v_heads, self.v_head_dim), b, a
 
     def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype):
         """The recurrence over batch's rows: the fused kernel on the Triton path, else torch -> [N, Hv, Dv]."""
@@ -175,37 +172,26 @@ class GatedDeltaNet(nn.Module):
         return out.to(out_dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
-        return self._mix(*self._project(x), ctx)
-
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer on norm(x + residual) (x alone when residual is None) -> (its output, x + residual),
-        [N, H] each; merged, the add and the norm run in the input projection's launch."""
-        if self.in_proj_weight is None:
-            residual, h = (x, norm(x)) if residual is None else kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
-            return self(h, ctx), residual
-        y, residual = kernels.add_norm_linear(x, residual, norm.weight, norm.eps, self.in_proj_weight)
-        return self._mix(*self._split_projection(y), ctx), residual
-
-    def _mix(self, mixed_qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The projected rows (`_project`) -> the layer's output [N, H]: convolution, recurrence, gated
-        norm and out_proj (the norm inside out_proj's launch where it can be)."""
+        n = x.shape[0]
+        mixed_qkv, z, b, a = self._project(x)
         conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
         if ctx.mode is ForwardMode.VERIFY:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
-            if kernels.use_triton(mixed_qkv):
-                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=mixed_qkv.dtype)
+            if kernels.use_triton(x):
+                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
             else:
                 q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
-                core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(mixed_qkv.dtype)
+                core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch)
-            core = self._extend(recurrent_pool, conv_out, a, b, batch, mixed_qkv.dtype)
-        return self.out_proj.forward_gated_norm(core, z, self.norm)
+            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
+        y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
+        return self.out_proj(y)
 
     def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
         """Fold the replay batch's rows (each sequence's first accepted verify rows) into the live state."""

@@ -14,7 +14,6 @@ collective.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
@@ -58,11 +57,6 @@ class RowParallelLinear(Linear):
         if self.input_slice is not None:
             x = x[:, self.input_slice]
         return self.parallel.all_reduce(kernels.linear(x, self.weight))
-
-    def forward_gated_norm(self, x: torch.Tensor, gate: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        """self(norm(x, gate)) for a per-head gated norm (`GatedRMSNorm`); x, gate [N, heads/W, D] -> [N, out]."""
-        assert self.input_slice is None, "the gated norm takes the rank's own heads"
-        return self.parallel.all_reduce(kernels.gated_norm_linear(x, gate, norm.weight, norm.eps, norm.act, self.weight))
 
 
 class VocabParallelEmbedding(Embedding):

@@ -58,9 +58,12 @@ class DecoderLayer(nn.Module):
 
         The layer's input is x + residual (x alone when residual is None); returns (mlp output,
         residual stream before the MLP's add), whose sum is the layer's output."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = add_norm(x, residual, self.input_layernorm)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        out, residual = mixer.forward_normed(x, residual, self.input_layernorm, ctx)  # the add + norm in its input projection
-        return self.mlp.add_norm_forward(out, residual, self.post_attention_layernorm)  # the MoE block fuses the add + norm into its routing
+        return self.mlp.add_norm_forward(mixer(h, ctx), residual, self.post_attention_layernorm)  # the MoE block fuses the add + norm into its routing
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
