@@ -31,20 +31,19 @@ i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
 built = {
     "gate_up": ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32,
                    ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm"),
-                   dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False, LATE_LAUNCH=True, PDL=True),
+                   dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False, PDL=True),
                    {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}),
     "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
                 | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32"},
                 ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym"),
                 dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=True, TOP_K=8, TOP_K_POW2=8,
-                     ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, LATE_LAUNCH=True, PREFETCH=True, PDL=True),
+                     ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, PDL=True),
                 {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first")),
 }
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
-                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=False,
-                           LATE_LAUNCH=True, PREFETCH_BYTES=lt.PREFETCH_BYTES, PDL=True),
+                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=False, PDL=True),
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 json.dump({name: [p.count("wgmma.mma_async"), p.count("mma.sync")] for name, p in built.items()}, sys.stdout)
 """

@@ -31,8 +31,6 @@ BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
 NUM_WARPS = 4  # warps a program (a setting for bench/variants.py: decode keeps one to two programs an SM busy)
-LATE_LAUNCH = 1  # release the next kernel after the K loop, not at the start (with PDL)
-PREFETCH_BYTES = 1024  # bytes of each weight row prefetched into L2 before the wait (with PDL; 0: none)
 
 
 @dataclass(frozen=True)
@@ -49,9 +47,9 @@ def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    LATE_LAUNCH: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -62,12 +60,6 @@ def _linear_kernel(
     col_ok = cols < N
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    if PREFETCH_BYTES > 0:  # the start of this program's weight rows (never written by a kernel), while the previous kernel ends
-        if pid_m == 0:
-            elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            nbytes = tl.minimum(PREFETCH_BYTES, (k_end - k_begin) * elem_bytes) // 16 * 16
-            pdl.prefetch_l2(w_ptr + cols * stride_wn + k_begin, nbytes, col_ok & (nbytes > 0))
-    pdl.sync(PDL, not LATE_LAUNCH)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile: the weight is the dot's wide operand
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + ks
@@ -77,8 +69,6 @@ def _linear_kernel(
         if DOT_F32:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, x, acc, input_precision="ieee")
-    if LATE_LAUNCH:
-        pdl.launch_dependents(PDL)
     out_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
     out_mask = row_ok[None, :] & col_ok[:, None]
     if SPLIT == 1:
@@ -155,9 +145,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     cfg = cfg or config_for(n, k, weight.dtype)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
-    size = weight.element_size()
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0 and k_per_split * size % 16 == 0
-    prefetch = PREFETCH_BYTES if aligned and pdl.enabled() else 0
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
@@ -166,6 +153,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
             BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
-            LATE_LAUNCH=bool(LATE_LAUNCH), PREFETCH_BYTES=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return y

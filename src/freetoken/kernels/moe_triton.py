@@ -95,8 +95,6 @@ BLOCK_H = 128  # hidden features per combine program
 # Up to this many tokens the down launch combines: the last of its programs to finish a feature tile
 # combines that tile for every token, so the block needs no combine launch.
 COMBINE_IN_DOWN_MAX_TOKENS = 64
-LATE_LAUNCH = 1  # gate_up and down release the next kernel after their K loop, not at the start (with PDL)
-DOWN_PREFETCH = 1  # down prefetches its weight tile into L2 before its wait (with PDL)
 
 
 @triton.jit
@@ -217,10 +215,9 @@ def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    LATE_LAUNCH: tl.constexpr, PDL: tl.constexpr,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.sync(PDL, not LATE_LAUNCH)
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -246,8 +243,6 @@ def _gate_up_kernel(
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
         acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
-    if LATE_LAUNCH:
-        pdl.launch_dependents(PDL)
     # The rounding steps of the reference (and of the dense MLP's linear + silu_mul): gate/up to
     # x.dtype, silu to x.dtype, product to x.dtype.
     dtype = h_ptr.dtype.element_ty
@@ -267,19 +262,15 @@ def _down_kernel(
     N, first, stride_sm, stride_gm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-    LATE_LAUNCH: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)  # the row blocks, written before gate_up: read before the wait (pdl.py)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
+    pdl.sync(PDL)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH:  # this program's whole weight tile into L2 (weights: never written) while gate_up ends
-        if e < C:
-            elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            pdl.prefetch_l2(w_ptr + e.to(tl.int64) * stride_we + cols * stride_wn, I * elem_bytes // 16 * 16, cols < H)
-    pdl.sync(PDL, not LATE_LAUNCH)
     if e < C:
         valid = ids < T
         ks = tl.arange(0, BLOCK_K)
@@ -294,8 +285,6 @@ def _down_kernel(
             acc = tl.dot(wd, a, acc, input_precision="ieee")
         y = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
-    if LATE_LAUNCH:
-        pdl.launch_dependents(PDL)
     if COMBINE:  # the last program of this feature tile to finish combines it for every token
         tl.debug_barrier()  # every thread's rows are stored before the counter moves
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -520,7 +509,7 @@ def _expert_rows(
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        LATE_LAUNCH=bool(LATE_LAUNCH), num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
+        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     ptrs, sizes, strides, meta = combine.launch_args()
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS
@@ -532,8 +521,7 @@ def _expert_rows(
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *ptrs, counters, n, first, *strides,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        COMBINE=in_down, **meta, LATE_LAUNCH=bool(LATE_LAUNCH),
-        PREFETCH=bool(DOWN_PREFETCH) and pdl.enabled() and down.data_ptr() % 16 == 0 and down.stride(1) * down.element_size() % 16 == 0, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
+        COMBINE=in_down, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down:
         meta.pop("BLOCK_TOK")

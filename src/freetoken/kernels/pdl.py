@@ -53,28 +53,8 @@ def launch_kwargs() -> dict[str, bool]:
 
 
 @triton.jit
-def sync(PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = True):
-    """The first statement of every kernel: wait for the previous kernel, then let the next one launch
-    (unless LAUNCH_DEPENDENTS is off: the kernel calls `launch_dependents` itself, later)."""
+def sync(PDL: tl.constexpr):
+    """The first statement of every kernel: wait for the previous kernel, then let the next one launch."""
     if PDL:
         gdc_wait()
-        if LAUNCH_DEPENDENTS:
-            gdc_launch_dependents()
-
-
-@triton.jit
-def launch_dependents(PDL: tl.constexpr):
-    """Let the next kernel launch now: a weight-streaming kernel calls it after its main loop, so the
-    next kernel's programs start (and prefetch) while this one finishes, not while it streams."""
-    if PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes, mask):
-    """Queue an L2 prefetch of `nbytes` (a multiple of 16) at each 16-byte aligned address of `ptrs`
-    where `mask` holds (sm_90 bulk prefetch; nothing waits for it)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), nbytes, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )
