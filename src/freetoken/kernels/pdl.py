@@ -13,13 +13,15 @@ starts, every program of kernel i has passed its own wait, so kernel i - 1 and a
 finished and their writes are visible: weights, host copies into the step's buffers (row metadata,
 block tables) and buffers written two or more launches back are safe to read while kernel i still
 runs. Used for dependent chains that would otherwise start after the wait: the MoE entry's gate
-rows, the MoE down's row blocks and the combine's routing, the GDN state tile, the attention's
+rows, the MoE down's row blocks, the GDN state tile, the attention's
 metadata down to each key's cache slot, the convolution's row metadata (tests/kernels/test_pdl.py,
 EARLY_READS, lists each kernel's early loads). Streaming weights ahead of the wait was measured on
 the H200 and taken out, as it competes with the previous kernel's stream: L2 bulk prefetches
 (35B-A3B step 2.73 -> 2.86 ms with the MoE down weights; 9B 221 -> 211 tok/s with the start of each
 linear's rows) and each linear's first weight tile (9B 221.3 -> 210.8 tok/s across runs, no gain at
-35B-A3B in the same run).
+35B-A3B in the same run). Releasing the next kernel only after the K loop, so that its prefetches
+overlap just this kernel's tail, did not help either (35B-A3B 2.541 ms without, 2.563 with the late
+release alone, 2.765 with the prefetches too; bench/results/logs/variants-35b-late-prefetch-b8ccd62.jsonl).
 
 Off under the interpreter, on GPUs before sm_90, and with FREETOKEN_PDL=0.
 """
