@@ -46,12 +46,7 @@ EARLY_READS = {  # kernel -> the loads it may issue before its wait
 }
 
 
-NOT_PDL = {  # kernels launched without PDL, and why
-    "prefetch_triton._prefetch_kernel": "runs on a side stream; no kernel of the step waits for it",
-}
-
-
-@pytest.mark.parametrize("name", sorted(KERNELS.keys() - NOT_PDL.keys()))
+@pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
     source = inspect.getsource(KERNELS[name].fn)
     assert "PDL: tl.constexpr" in source

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from freetoken import kernels, sampling
+from freetoken import sampling
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.runner import RowGroup, build_context
@@ -267,11 +267,9 @@ def record_graph(fn, pool, restore=lambda: None):
     with torch.cuda.stream(stream):
         for _ in range(2):
             fn()
-            kernels.join_prefetches()
             restore()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
-        kernels.join_prefetches()  # the layers' L2 prefetch side stream rejoins at the end of the step
     return graph, out

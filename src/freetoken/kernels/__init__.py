@@ -64,25 +64,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_ref.linear(x, weight)
 
 
-def prefetch_l2(weight: torch.Tensor, rows: torch.Tensor) -> None:
-    """For a CUDA step of few rows (rows [N, ...]): queue an L2 prefetch of `weight` on a side stream,
-    to be read by a GEMM a few launches later (kernels/prefetch_triton.py); otherwise nothing."""
-    if rows.is_cuda and use_triton(rows):
-        from freetoken.kernels import prefetch_triton
-
-        if prefetch_triton.applies(rows):
-            prefetch_triton.prefetch(weight)
-
-
-def join_prefetches() -> None:
-    """Join the prefetch side streams into the current streams (before a CUDA graph capture ends)."""
-    import sys
-
-    module = sys.modules.get("freetoken.kernels.prefetch_triton")
-    if module is not None:
-        module.join()
-
-
 def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """norm(x) * (1 + w); x [..., D], weight [D]."""
     if use_triton(x):
@@ -266,8 +247,6 @@ __all__ = [
     "moe_route",
     "norm_rope_store",
     "paged_attention_batched",
-    "prefetch_l2",
-    "join_prefetches",
     "rms_norm",
     "seq_batch",
     "store_kv",

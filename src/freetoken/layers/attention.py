@@ -78,7 +78,6 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
         q_gate, k, v = self._project(x)
-        kernels.prefetch_l2(self.o_proj.weight, x)  # streamed from L2 after the norm + RoPE and the attention
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
         q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(x.device), k_cache, v_cache, ctx.slot_mapping)

@@ -174,7 +174,6 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
         mixed_qkv, z, b, a = self._project(x)
-        kernels.prefetch_l2(self.out_proj.weight, x)  # streamed from L2 after the conv, recurrence and norm
         conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
