@@ -472,7 +472,8 @@ class _Combine(NamedTuple):
     count: int
 
     def launch_args(self) -> tuple:
-        """(experts, weights, shared, gate, y, N, H, first, C, stride_sm, stride_gm, stride_ym) and the constexprs."""
+        """As the kernels take them: pointers (experts, weights, shared, gate, y), sizes (N, H, first, C),
+        strides (shared, gate, y rows) and the constexprs (unread stand-ins for shared and gate without them)."""
         n, hidden = self.y.shape
         top_k = self.weights.shape[1]
         shared, gate = (self.shared, self.shared_gate) if self.shared is not None else (self.y, self.y)  # unread stand-ins
@@ -514,7 +515,7 @@ def _expert_rows(
     ptrs, sizes, strides, meta = combine.launch_args()
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
-    counters = linear_triton.arrival_counters(x.device, feature_tiles) if in_down else out
+    counters = linear_triton.arrival_counters(x.device, feature_tiles)
     _down_kernel[(nb, feature_tiles)](
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
