@@ -104,10 +104,11 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, partial_floats: int, num_locks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partials, int32 counters kept at zero between launches), grown on demand, never shrunk."""
+def _workspace(device: torch.device, partial_floats: int, num_locks: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(fp32 partials, int32 counters kept at zero between launches), grown on demand, never shrunk;
+    the partials are made only once some launch needs them."""
     part, locks = _workspaces.get(device, (None, None))
-    if part is None or part.numel() < partial_floats:
+    if partial_floats and (part is None or part.numel() < partial_floats):
         part = torch.empty(max(partial_floats, 1 << 20), dtype=torch.float32, device=device)
     if locks is None or locks.numel() < num_locks:
         locks = torch.zeros(max(num_locks, 1 << 14), dtype=torch.int32, device=device)

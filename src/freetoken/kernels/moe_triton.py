@@ -473,11 +473,11 @@ class _Combine(NamedTuple):
 
     def launch_args(self) -> tuple:
         """As the kernels take them: pointers (experts, weights, shared, gate, y), sizes (N, H, first, C),
-        strides (shared, gate, y rows) and the constexprs (unread stand-ins for shared and gate without them)."""
+        strides (shared, gate, y rows) and the constexprs but the tile's (unread stand-ins for shared and gate without them)."""
         n, hidden = self.y.shape
         top_k = self.weights.shape[1]
         shared, gate = (self.shared, self.shared_gate) if self.shared is not None else (self.y, self.y)  # unread stand-ins
-        meta = dict(TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=self.experts.shape[1], BLOCK_TOK=BLOCK_TOK, SHARED=self.shared is not None)
+        meta = dict(TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=self.experts.shape[1], SHARED=self.shared is not None)
         return (self.experts, self.weights, shared, gate, self.y), (n, hidden, self.first, self.count), (shared.stride(0), gate.stride(0), self.y.stride(0)), meta
 
 
@@ -522,10 +522,9 @@ def _expert_rows(
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *ptrs, counters, n, first, *strides,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        COMBINE=in_down, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
+        COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down:
-        meta.pop("BLOCK_TOK")
         _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
             out, *ptrs, *sizes, out.stride(0), *strides,
             BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, num_warps=4, **pdl.launch_kwargs(),
