@@ -370,9 +370,12 @@ def _experts_kernel(
 
 @triton.jit
 def _wait_count(counter_ptr, target):
-    """Spin until *counter_ptr reaches target (acquire: the writes released before each increment are visible)."""
-    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
+    """Spin until *counter_ptr reaches target (acquire: the writes released before each increment are visible).
+    The spin reads through L2 with plain volatile loads, which do not queue behind the increments as
+    atomics on the same word would; one acquiring atomic once it has seen the target."""
+    while tl.load(counter_ptr, volatile=True) < target:
         pass
+    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
