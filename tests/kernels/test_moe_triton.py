@@ -30,7 +30,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
 
 import freetoken.kernels  # noqa: E402
-from freetoken.kernels import linear_triton, moe_ref, moe_triton  # noqa: E402
+from freetoken.kernels import moe_ref, moe_triton  # noqa: E402
 from freetoken.layers.merge import merge_projections  # noqa: E402
 from freetoken.layers.moe import SparseMoE  # noqa: E402
 
@@ -234,38 +234,6 @@ def test_combine_in_down_equals_combine_launch(device, dtype, tokens, monkeypatc
         assert torch.equal(in_down[name], call()), f"{name}: the combine in the down launch differs from its own launch"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 40, 70])
-def test_persistent_launch_equals_two_launches(device, dtype, tokens, monkeypatch):
-    """gate_up, down and the combine in one persistent launch give the bits of gate_up and down as two
-    launches (and the combine's own launch above COMBINE_IN_DOWN_MAX_TOKENS tokens): partial, with a
-    shared expert, stacked; aligned from 40 tokens, every token on the same experts at 70. The ready and
-    arrival counters are back at zero after each launch, so a second launch (a graph replay) is the same."""
-    gate_up, down = weights_for(device, dtype)
-    x, experts, w = routing(tokens, device, dtype, seed=7, shared=(1, 3, 5, 9, 17, 33, 64, 100) if tokens == 70 else None)
-    gen = torch.Generator().manual_seed(8)
-    shared = (torch.randn(x.shape, generator=gen) / 2).to(dtype).to(device)
-    gate = torch.randn(tokens, 1, generator=gen).to(dtype).to(device)
-    stacked_up, stacked_down = stacked_for(device, dtype)
-    num_experts = gate_up.shape[0]
-    calls = {
-        "partial": lambda: moe_triton.moe_experts(x, experts, w, gate_up, down),
-        "shared": lambda: moe_triton.moe_experts(x, experts, w, gate_up, down, 0, shared, gate),
-        "stacked": lambda: moe_triton.moe_experts_with_shared(x, with_shared(experts, num_experts), w, stacked_up, stacked_down, gate),
-    }
-    counters = linear_triton.arrival_counters(torch.device(device), 1)
-    monkeypatch.setattr(moe_triton, "PERSISTENT", True)
-    persistent = {}
-    for name, call in calls.items():
-        persistent[name] = call()
-        assert not counters.any(), f"{name}: counters left set"
-        assert torch.equal(persistent[name], call()), f"{name}: a second persistent launch differs"
-    monkeypatch.setattr(moe_triton, "PERSISTENT", False)
-    for name, call in calls.items():
-        assert torch.equal(persistent[name], call()), f"{name}: the persistent launch differs from two launches"
-
-
 def stacked_for(device, dtype):
     """gate_up [E + 1, 2I, H], down [E + 1, H, I]: the routed experts, then a shared expert."""
     gate_up, down = weights_for(device, dtype)
@@ -408,8 +376,8 @@ def launches(fn, monkeypatch):
 @pytest.mark.parametrize("tokens", [5, 40, 70])
 def test_sparse_moe_launches(stacked, tokens, monkeypatch):
     """Merged, one forward on the Triton path is the merged gate linear, route (which writes the direct
-    row blocks up to DIRECT_MAX_ROWS routed rows), align (above that only), the persistent experts
-    launch (or gate_up and down), and combine above COMBINE_IN_DOWN_MAX_TOKENS tokens only; a shared expert wider than a routed one adds its own
+    row blocks up to DIRECT_MAX_ROWS routed rows), align (above that only), gate_up, down, and combine
+    above COMBINE_IN_DOWN_MAX_TOKENS tokens only; a shared expert wider than a routed one adds its own
     kernels. Torch only allocates and takes views."""
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     block = merged(moe_block(shared_size=None if stacked else 2 * shape("cpu")[3]))
@@ -420,8 +388,7 @@ def test_sparse_moe_launches(stacked, tokens, monkeypatch):
     assert direct == (tokens == 5)
     combine = tokens > moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
     assert combine == (tokens == 70)
-    experts = ["_experts_kernel"] if moe_triton.PERSISTENT else ["_gate_up_kernel", "_down_kernel"]
-    moe = ["_route_kernel", *([] if direct else ["_align_kernel"]), *experts, *(["_combine_kernel"] if combine else [])]
+    moe = ["_route_kernel", *([] if direct else ["_align_kernel"]), "_gate_up_kernel", "_down_kernel", *(["_combine_kernel"] if combine else [])]
     assert sorted(kernels) == sorted(["_linear_kernel", *moe, *([] if stacked else shared)]), kernels
     computing = [op for op in ops if not op.is_view and op.overloadpacket is not torch.ops.aten.empty]
     assert not computing, f"torch ops on the Triton path: {computing}"
@@ -496,14 +463,13 @@ def test_sparse_moe_replays_in_a_cuda_graph():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
-def test_sparse_moe_kernel_count(monkeypatch):
-    """Merged (the shared expert stacked as expert E), one forward of one token is three kernels: merged
-    gate linear, route (writing the direct row blocks), the persistent experts launch (combining); of 8
-    tokens (72 routed rows) four, align too; of 80 tokens five, the combine's own launch too."""
+def test_sparse_moe_kernel_count():
+    """Merged (the shared expert stacked as expert E), one forward of one token is four kernels: merged
+    gate linear, route (writing the direct row blocks), gate_up, down (combining); of 8 tokens (72 routed
+    rows) five, align too; of 80 tokens six, the combine's own launch too."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(moe_triton, "PERSISTENT", True)
     block = cuda_block()
     xs = [torch.randn(n, shape("cuda")[0], device="cuda", dtype=torch.bfloat16) for n in (1, 8, 80)]
     for x in xs:
@@ -517,6 +483,6 @@ def test_sparse_moe_kernel_count(monkeypatch):
         return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
 
     assert block.stacked is not None
-    for x, count in zip(xs, (3, 4, 5)):
+    for x, count in zip(xs, (4, 5, 6)):
         names = kernels_of(lambda: block(x))
         assert len(names) == count, names

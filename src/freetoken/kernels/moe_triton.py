@@ -65,7 +65,6 @@ programs (row blocks x feature tiles) to fill the GPU.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -96,12 +95,6 @@ BLOCK_H = 128  # hidden features per combine program
 # Up to this many tokens the down launch combines: the last of its programs to finish a feature tile
 # combines that tile for every token, so the block needs no combine launch.
 COMBINE_IN_DOWN_MAX_TOKENS = 64
-# gate_up, down and the combine in one persistent launch (`_experts_kernel`) instead of two launches.
-PERSISTENT = False
-# The down tiles of the persistent launch load their first PRELOAD_K weight columns into registers
-# before they wait for their row block's hidden features (256 x 64 features: 64 registers a thread at
-# 4 warps; the whole 512-column tile spills in the sm_90 build).
-PRELOAD_K = 256
 
 
 @triton.jit
@@ -217,13 +210,19 @@ def _align_kernel(
         tl.store(block_expert_ptr + b, C + tl.zeros_like(b), mask=b < num_blocks)
 
 
-@triton.jit
-def _gate_up_tile(
-    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, e, pid_m, pid_n,
-    T, H, I, stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+@triton.jit(do_not_specialize=["T"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
+    T, H, I, C,
+    stride_xm, stride_we, stride_wn, stride_hm,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    """silu(gate) * up of row block pid_m (held expert e) for the features [pid_n * BLOCK_N, +BLOCK_N) -> h."""
+    pdl.sync(PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= C:
+        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
@@ -253,23 +252,6 @@ def _gate_up_tile(
     tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C,
-    stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl.sync(PDL)
-    pid_m = tl.program_id(0)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < C:
-        _gate_up_tile(
-            x_ptr, w_ptr, h_ptr, sorted_ids_ptr, e, pid_m, tl.program_id(1), T, H, I, stride_xm, stride_we, stride_wn, stride_hm,
-            ROW_K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32,
-        )
-
-
 @triton.jit(do_not_specialize=["T", "N"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -290,138 +272,31 @@ def _down_kernel(
     pdl.sync(PDL)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if e < C:
+        valid = ids < T
+        ks = tl.arange(0, BLOCK_K)
+        w = w_ptr + e.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
-        acc = _down_steps(h_ptr, w_ptr + e.to(tl.int64) * stride_we, acc, rows, ids < T, cols, 0, I, H, I, stride_hm, stride_wn, BLOCK_K, DOT_F32, "")
-        _store_rows(out_ptr, acc, ids, cols, T, H, stride_om)
-    if COMBINE:
-        _arrive_and_combine(
-            out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr, counter_ptr + pid_n, tl.num_programs(0), cols,
-            N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym, TOP_K, TOP_K_POW2, ROW_K, BLOCK_TOK, SHARED,
-        )
-
-
-@triton.jit(do_not_specialize=["T", "N", "num_blocks"])
-def _experts_kernel(
-    x_ptr, gate_up_ptr, h_ptr, down_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C, num_blocks,
-    stride_xm, stride_gue, stride_gun, stride_hm, stride_de, stride_dn, stride_om,
-    # the combine, when COMBINE: as _combine_kernel's; counter_ptr: [num_blocks] ready counts, then
-    # [cdiv(H, DOWN_BLOCK_N)] feature-tile arrivals, then the count of finished programs
-    experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr, counter_ptr,
-    N, first, stride_sm, stride_gm, stride_ym,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, GATE_UP_BLOCK_N: tl.constexpr, GATE_UP_BLOCK_K: tl.constexpr,
-    DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr, PRELOAD_K: tl.constexpr, DOT_F32: tl.constexpr,
-    COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """gate_up, down and the combine in one persistent launch (module docstring, persistent)."""
-    pdl.sync(PDL)
-    gate_up_tiles = tl.cdiv(I, GATE_UP_BLOCK_N)  # per row block
-    feature_tiles = tl.cdiv(H, DOWN_BLOCK_N)
-    first_down = num_blocks * gate_up_tiles
-    arrivals_ptr = counter_ptr + num_blocks
-    for tile in range(tl.program_id(0), first_down + num_blocks * feature_tiles, tl.num_programs(0)):
-        if tile < first_down:
-            pid_m = tile // gate_up_tiles
-            e = tl.load(block_expert_ptr + pid_m)
-            if e < C:
-                _gate_up_tile(
-                    x_ptr, gate_up_ptr, h_ptr, sorted_ids_ptr, e, pid_m, tile % gate_up_tiles, T, H, I,
-                    stride_xm, stride_gue, stride_gun, stride_hm, ROW_K, BLOCK_M, GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOT_F32,
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
+            wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
+            if DOT_F32:
+                a, wd = a.to(tl.float32), wd.to(tl.float32)
+            acc = tl.dot(wd, a, acc, input_precision="ieee")
+        y = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
+    if COMBINE:  # the last program of this feature tile to finish combines it for every token
+        tl.debug_barrier()  # every thread's rows are stored before the counter moves
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            for t0 in range(0, N, BLOCK_TOK):
+                _combine_tile(
+                    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+                    t0 + tl.arange(0, BLOCK_TOK), cols, N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym,
+                    TOP_K, TOP_K_POW2, ROW_K, SHARED, ".cg",
                 )
-                tl.debug_barrier()  # every thread's hidden features are stored before the count moves
-                tl.atomic_add(counter_ptr + pid_m, 1, sem="release", scope="gpu")
-        else:
-            pid_n = (tile - first_down) // num_blocks  # feature-major: a feature tile's row blocks come together
-            pid_m = (tile - first_down) % num_blocks
-            e = tl.load(block_expert_ptr + pid_m)
-            cols = pid_n * DOWN_BLOCK_N + tl.arange(0, DOWN_BLOCK_N)
-            if e < C:
-                rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                ids = tl.load(sorted_ids_ptr + rows)
-                w = down_ptr + e.to(tl.int64) * stride_de
-                acc = tl.zeros((DOWN_BLOCK_N, BLOCK_M), dtype=tl.float32)
-                if PRELOAD_K > 0:  # the tile's first PRELOAD_K weight columns in registers while gate_up finishes
-                    kk = tl.arange(0, PRELOAD_K)
-                    wd = tl.load(w + cols[:, None] * stride_dn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
-                    _wait_count(counter_ptr + pid_m, gate_up_tiles)
-                    a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=(ids[None, :] < T) & (kk[:, None] < I), other=0.0, cache_modifier=".cg")
-                    if DOT_F32:
-                        a, wd = a.to(tl.float32), wd.to(tl.float32)
-                    acc = tl.dot(wd, a, acc, input_precision="ieee")
-                else:
-                    _wait_count(counter_ptr + pid_m, gate_up_tiles)
-                acc = _down_steps(h_ptr, w, acc, rows, ids < T, cols, PRELOAD_K, I, H, I, stride_hm, stride_dn, DOWN_BLOCK_K, DOT_F32, ".cg")
-                _store_rows(out_ptr, acc, ids, cols, T, H, stride_om)
-            if COMBINE:
-                _arrive_and_combine(
-                    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr, arrivals_ptr + pid_n, num_blocks, cols,
-                    N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym, TOP_K, TOP_K_POW2, ROW_K, BLOCK_TOK, SHARED,
-                )
-    # The last program to finish zeroes the ready counts: every wait on them has passed.
-    tl.debug_barrier()
-    done_ptr = arrivals_ptr + feature_tiles
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        for b0 in range(0, num_blocks, BLOCK_TOK * 64):
-            b = b0 + tl.arange(0, BLOCK_TOK * 64)
-            tl.store(counter_ptr + b, tl.zeros_like(b), mask=b < num_blocks)
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _wait_count(counter_ptr, target):
-    """Spin until *counter_ptr reaches target (acquire: the writes released before each increment are visible).
-    The spin reads through L2 with plain volatile loads, which do not queue behind the increments as
-    atomics on the same word would; one acquiring atomic once it has seen the target."""
-    while tl.load(counter_ptr, volatile=True) < target:
-        pass
-    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _down_steps(
-    h_ptr, w, acc, rows, valid, cols, k_start, k_end, H, I, stride_hm, stride_wn,
-    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, H_CACHE: tl.constexpr,
-):
-    """acc [BLOCK_N, BLOCK_M] += w[cols, k] @ h[rows, k]^T over k in [k_start, k_end), BLOCK_K at a time from k = 0."""
-    ks = tl.arange(0, BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0, cache_modifier=H_CACHE)
-        wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
-        if DOT_F32:
-            a, wd = a.to(tl.float32), wd.to(tl.float32)
-        acc = tl.dot(wd, a, acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def _store_rows(out_ptr, acc, ids, cols, T, H, stride_om):
-    """acc [BLOCK_N, BLOCK_M] -> out[ids, cols] in out's dtype, the padding rows (ids >= T) left out."""
-    y = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=(ids[None, :] < T) & (cols[:, None] < H))
-
-
-@triton.jit
-def _arrive_and_combine(
-    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr, counter_ptr, arrivals, cols,
-    N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-):
-    """Count this feature tile's arrival; the last of `arrivals` combines the tile for every token and
-    zeroes the counter."""
-    tl.debug_barrier()  # every thread's rows are stored before the counter moves
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == arrivals - 1:
-        tl.debug_barrier()
-        for t0 in range(0, N, BLOCK_TOK):
-            _combine_tile(
-                out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
-                t0 + tl.arange(0, BLOCK_TOK), cols, N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym,
-                TOP_K, TOP_K_POW2, ROW_K, SHARED, ".cg",
-            )
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -630,59 +505,15 @@ def _expert_rows(
     nb = block_expert.shape[0]
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    ptrs, sizes, strides, meta = combine.launch_args()
-    in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS
-    feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
-    if PERSISTENT:
-        counters = linear_triton.arrival_counters(x.device, nb + feature_tiles + 1)
-        tiles = nb * (triton.cdiv(inter, GATE_UP_BLOCK_N) + feature_tiles)
-        down_block_k = FP32_BLOCK_K if fp32 else DOWN_BLOCK_K
-        _experts_kernel[(1 if INTERPRET else min(tiles, _num_sms(x.device)),)](
-            x, gate_up, hidden_rows, down, out, sorted_ids, block_expert,
-            rows, hidden, inter, count, nb,
-            x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-            *ptrs, counters, n, first, *strides,
-            BLOCK_M=BLOCK_M, GATE_UP_BLOCK_N=GATE_UP_BLOCK_N, GATE_UP_BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K,
-            DOWN_BLOCK_N=DOWN_BLOCK_N, DOWN_BLOCK_K=down_block_k,
-            PRELOAD_K=_preload_k(inter, down_block_k), DOT_F32=INTERPRET, COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta,
-            num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
-        )
-    else:
-        _launch_gate_up_down(x, gate_up, down, hidden_rows, out, blocks, n, in_down, ptrs, strides, meta)
-    if not in_down:
-        _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
-            out, *ptrs, *sizes, out.stride(0), *strides,
-            BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, num_warps=4, **pdl.launch_kwargs(),
-        )
-
-
-def _preload_k(inter: int, block_k: int) -> int:
-    """The weight columns a down tile of the persistent launch loads before its wait: a whole number
-    of K steps (so the steps after it are down's), at most PRELOAD_K of them, a power of two."""
-    k = min(PRELOAD_K, inter // block_k * block_k)
-    while k and (k & (k - 1) or k % block_k):
-        k -= block_k
-    return k
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _launch_gate_up_down(x, gate_up, down, hidden_rows, out, blocks, n, in_down, ptrs, strides, meta) -> None:
-    """gate_up and down as two launches, the combine in down's last program per feature tile when in_down."""
-    hidden, count, inter, rows, first = x.shape[1], gate_up.shape[0], gate_up.shape[1] // 2, blocks.rows, blocks.first
-    sorted_ids, block_expert = blocks.sorted_ids, blocks.block_expert
-    nb = block_expert.shape[0]
-    fp32 = x.dtype == torch.float32
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        ROW_K=meta["ROW_K"], BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
+        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
+    ptrs, sizes, strides, meta = combine.launch_args()
+    in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
     _down_kernel[(nb, feature_tiles)](
@@ -693,6 +524,11 @@ def _launch_gate_up_down(x, gate_up, down, hidden_rows, out, blocks, n, in_down,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
+    if not in_down:
+        _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
+            out, *ptrs, *sizes, out.stride(0), *strides,
+            BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, num_warps=4, **pdl.launch_kwargs(),
+        )
 
 
 def moe_experts(
