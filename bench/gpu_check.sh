@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Everything the GPU issue records, in one run on a CUDA machine with the project installed:
 # the cuda-marked tests (8 pytest workers: compiling the Triton kernels dominates their time), GPU
-# parity in bf16 for both fixture families, and the bench runs. Results go to ${OUT:-bench/results/gpu-check}.
+# parity in bf16 for both fixture families, and the bench runs; the tests and parity read FIXTURES_DIR. Results go to ${OUT:-bench/results/gpu-check}.
 #
 #     bash bench/gpu_check.sh [FIXTURES_DIR]      # FIXTURES_DIR defaults to ../shared/fixtures
 set -uo pipefail
 export TRITON_INTERPRET=0  # the kernel tests default to the CPU interpreter (tests/kernels/conftest.py)
 OUT=${OUT:-bench/results/gpu-check}
-FIXTURES=${1:-../shared/fixtures}
+FIXTURES=$(realpath "${1:-../shared/fixtures}")
+export FREETOKEN_FIXTURES="$FIXTURES"  # the tests read the same fixtures (tests/conftest.py)
 mkdir -p "$OUT"
 commit=$(git rev-parse HEAD 2>/dev/null || echo "${FREETOKEN_COMMIT:-unknown}")
 

@@ -16,6 +16,7 @@ fixture_refs, and session fixtures for converted checkpoints.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,8 @@ import torch
 
 torch.set_num_threads(1)
 
-FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures"
+# The fixtures beside the checkout, or where FREETOKEN_FIXTURES points (a copy on another machine).
+FIXTURES = Path(os.environ.get("FREETOKEN_FIXTURES") or Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures")
 FIXTURE_MODELS = ("qwen35_dense", "qwen35_moe")
 
 

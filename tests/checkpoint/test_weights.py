@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from freetoken.errors import CheckpointError
 from freetoken.models.qwen3_5.config import Qwen35Config
 from freetoken.models.qwen3_5.weights import canonical_name, expected_tensors, fuse_experts
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+from tests.conftest import FIXTURES  # noqa: E402
 
 
 def _fixture(model: str) -> tuple[Qwen35Config, dict[str, tuple[int, ...]]]:

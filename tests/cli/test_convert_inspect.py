@@ -20,7 +20,7 @@ from freetoken.checkpoint import UnifiedCheckpoint
 from freetoken.errors import CheckpointError, FreetokenError, OutputExistsError
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / ".." / "shared" / "fixtures"
+from tests.conftest import FIXTURES  # noqa: E402
 
 
 def _command(name: str):

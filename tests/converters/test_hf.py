@@ -21,7 +21,7 @@ from freetoken.checkpoint import UnifiedCheckpoint
 from freetoken.converters.hf import convert_hf
 from freetoken.errors import CheckpointError, OutputExistsError, UnsupportedModelError
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+from tests.conftest import FIXTURES  # noqa: E402
 MODELS = ["qwen35_dense", "qwen35_moe"]
 
 

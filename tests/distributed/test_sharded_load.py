@@ -7,12 +7,11 @@ with safetensors.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+from tests.conftest import FIXTURES  # noqa: E402
 
 
 class Recorder:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / ".." / "shared" / "fixtures"
+from tests.conftest import FIXTURES  # noqa: E402
 SCRIPT = REPO / "examples" / "train_demo.py"
 
 

@@ -8,7 +8,6 @@ On CPU the kernels run under TRITON_INTERPRET=1 on the tiny fixture model.
 
 import json
 import os
-from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -28,7 +27,7 @@ from freetoken.models.loader import load_model  # noqa: E402
 from freetoken.models.qwen3_5.config import Qwen35Config  # noqa: E402
 from freetoken.models.qwen3_5.weights import canonical_name  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+from tests.conftest import FIXTURES  # noqa: E402
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
