@@ -10,7 +10,7 @@ OUT=${OUT:-bench/results/gpu-check}
 FIXTURES=$(realpath "${1:-../shared/fixtures}")
 export FREETOKEN_FIXTURES="$FIXTURES"  # the tests read the same fixtures (tests/conftest.py)
 mkdir -p "$OUT"
-commit=$(git rev-parse HEAD 2>/dev/null || echo "${FREETOKEN_COMMIT:-unknown}")
+commit=${FREETOKEN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # as freetoken bench records it
 
 python3 -m pytest tests -m cuda -n 8 -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu-tests.log" 2>&1
 echo "# python3 -m pytest tests -m cuda -n 8 (commit $commit): exit $?" >> "$OUT/gpu-tests.log"
