@@ -12,7 +12,7 @@ from freetoken.errors import CheckpointError
 from freetoken.models.qwen3_5.config import Qwen35Config
 from freetoken.models.qwen3_5.weights import canonical_name, expected_tensors, fuse_experts
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES
 
 
 def _fixture(model: str) -> tuple[Qwen35Config, dict[str, tuple[int, ...]]]:

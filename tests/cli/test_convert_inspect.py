@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 from freetoken.checkpoint import UnifiedCheckpoint
 from freetoken.errors import CheckpointError, FreetokenError, OutputExistsError
 
+from tests.conftest import FIXTURES
+
 REPO = Path(__file__).resolve().parents[2]
-from tests.conftest import FIXTURES  # noqa: E402
 
 
 def _command(name: str):

@@ -26,7 +26,8 @@ from freetoken.converters.gguf import _undo, convert_gguf, describe_gguf
 from freetoken.errors import CheckpointError, FreetokenError, OutputExistsError, UnsupportedModelError
 from freetoken.models.qwen3_5.config import Qwen35Config
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES
+
 MODELS = {"qwen35_dense": "qwen35-dense", "qwen35_moe": "qwen35-moe"}
 
 

@@ -21,7 +21,8 @@ from freetoken.checkpoint import UnifiedCheckpoint
 from freetoken.converters.hf import convert_hf
 from freetoken.errors import CheckpointError, OutputExistsError, UnsupportedModelError
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES
+
 MODELS = ["qwen35_dense", "qwen35_moe"]
 
 

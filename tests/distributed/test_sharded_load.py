@@ -7,11 +7,10 @@ with safetensors.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES
 
 
 class Recorder:

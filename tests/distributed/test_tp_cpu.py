@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES
+
 PROMPTS = [[5, 17, 300, 42, 7, 999, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [900]]
 
 

@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.conftest import FIXTURES
+
 REPO = Path(__file__).resolve().parents[2]
-from tests.conftest import FIXTURES  # noqa: E402
 SCRIPT = REPO / "examples" / "train_demo.py"
 
 

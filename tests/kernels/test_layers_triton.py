@@ -28,6 +28,7 @@ from freetoken.models.qwen3_5.config import Qwen35Config  # noqa: E402
 from freetoken.models.qwen3_5.weights import canonical_name  # noqa: E402
 
 from tests.conftest import FIXTURES  # noqa: E402
+
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1")),
