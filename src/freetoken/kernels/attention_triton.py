@@ -3,7 +3,9 @@
 A decode step has one query row per request: one program per (row, KV head) would leave most of the
 GPU idle while it walks the whole context. So the keys are cut into fixed PARTITION-token partitions
 counted from position 0, and a first kernel computes, for each partition separately, a softmax in
-fp32 (max, sum, unnormalised output) into a workspace. A second kernel, one program per (row, query
+fp32 (max, sum, unnormalised output) into a workspace; the scores are fp32, and the probabilities
+are rounded to the cache dtype for the dot with V, as torch's attention rounds them, so both dots run
+on tensor cores. A second kernel, one program per (row, query
 head), merges the row's partitions in order p = 0, 1, ..., divides, casts, and (when given)
 multiplies by the sigmoid output gate.
 
@@ -45,7 +47,7 @@ from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_N = 64
 PARTITION = 64  # keys per partition: exactly one BLOCK_N block
-NUM_WARPS = 8  # bench/attention_speed.py on the H200: 11.2 us a call at 576 keys, 14.8 with 4 warps
+NUM_WARPS = 8  # bench/attention_speed.py on the H200 (partition + merge at 576 keys): 6.98 us a call, 7.87 with 4 warps, 8.05 at 32-key partitions
 WORKSPACE_BYTES = 64 << 20
 
 
@@ -90,7 +92,7 @@ def _partition_kernel(
         kv_off = slot[:, None] * kv_slot + h * kv_head + ds[None, :]
         kv_mask = mn[:, None] & md[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_PAD, PARTITION]
@@ -99,7 +101,10 @@ def _partition_kernel(
         m = tl.where(m == float("-inf"), 0.0, m)  # an entry without keys here: e = 0 rather than NaN
         e = tl.exp(s - m[:, None])
         l = tl.sum(e, axis=1)
-        acc = tl.dot(e, v, input_precision="ieee")  # [G_PAD, D_PAD]
+        probs = e.to(v.dtype)  # the probabilities in the cache dtype, as torch's attention rounds them: a tensor-core dot
+        if DOT_F32:
+            probs, v = probs.to(tl.float32), v.to(tl.float32)
+        acc = tl.dot(probs, v, input_precision="ieee")  # [G_PAD, D_PAD]
         ws = ((rows - row0) * (G * tl.num_programs(1)) + heads) * num_parts + p  # [G_PAD] workspace entries
         mw = me & (begin < ctx_len)
         tl.store(m_ptr + ws, m, mask=mw)
