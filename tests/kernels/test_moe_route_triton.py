@@ -107,7 +107,7 @@ def test_route_writes_direct_blocks(device):
         experts, weights, blocks = moe_triton.route(logits, top_k, torch.bfloat16, shared, first, count)
         count = num_experts + shared if count is None else count
         rows = n * (top_k + shared)
-        assert blocks is not None and blocks[2:] == (rows, first, count, True), f"case {n, shared, first}: {blocks}"
+        assert blocks is not None and blocks[2:] == (rows, first, count), f"case {n, shared, first}: {blocks}"
         want_ids, want_experts = direct_reference(experts.cpu(), first, count)
         assert torch.equal(blocks.sorted_ids.cpu(), want_ids), f"case {n, shared, first}: row ids differ"
         assert torch.equal(blocks.block_expert.cpu(), want_experts), f"case {n, shared, first}: block experts differ"
@@ -158,7 +158,7 @@ def test_align_matches_grouping(device):
     for experts, first, count in cases:
         sorted_ids, block_expert, rows, *held = moe_triton.align(experts.to(torch.int32).to(device), first, count)
         want_ids, want_blocks = align_reference(experts, first, count, block_expert.shape[0])
-        assert (rows, *held) == (experts.numel(), first, count, False)
+        assert (rows, *held) == (experts.numel(), first, count)
         assert block_expert.shape[0] == moe_triton.max_blocks(count, experts.numel())
         assert torch.equal(block_expert.cpu(), want_blocks), f"{experts.shape}, first {first}: block experts differ"
         assert torch.equal(sorted_ids[: want_ids.shape[0]].cpu(), want_ids), f"{experts.shape}, first {first}: row ids differ"

@@ -91,18 +91,9 @@ def first_in_block(blocks):
     return set(ids[(blocks.block_expert < blocks.count) & (ids < blocks.rows)].tolist())
 
 
-@pytest.fixture(params=["shipped", "two-slices"])
-def slices(request, monkeypatch):
-    """The shipped SLICE_I, and (the CPU shape's I is one slice) 16-feature slices, so the direct
-    launch's partials are added over several slices."""
-    if request.param == "two-slices":
-        monkeypatch.setattr(moe_triton, "SLICE_I", 16)
-    return request.param
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_matches_oracle_and_reference(device, dtype, slices):
+def test_moe_matches_oracle_and_reference(device, dtype):
     gate_up, down = weights_for(device, dtype)
     for seed, (n, shared) in enumerate(CASES):
         x, experts, w = routing(n, device, dtype, seed, shared)
@@ -144,10 +135,9 @@ def test_moe_rows_are_invariant_to_batch(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("stacked", [False, True])
-def test_moe_layouts_agree_bitwise(device, dtype, stacked, slices):
-    """One batch through the direct layout (one launch, slice partials added by the combine) and the
-    aligned one (gate_up, then down adding the same slice products), both forced: every row's bits
-    equal on CUDA; on CPU equal where the row is first in its aligned blocks, and within rounding elsewhere."""
+def test_moe_layouts_agree_bitwise(device, dtype, stacked):
+    """One batch through the direct and the aligned layout (both forced): every row's bits equal on CUDA;
+    on CPU equal where the row is first in its aligned blocks, and within rounding elsewhere."""
     n = 8
     if stacked:
         gate_up, down = stacked_for(device, dtype)
@@ -386,8 +376,8 @@ def launches(fn, monkeypatch):
 @pytest.mark.parametrize("tokens", [5, 40, 70])
 def test_sparse_moe_launches(stacked, tokens, monkeypatch):
     """Merged, one forward on the Triton path is the merged gate linear, route (which writes the direct
-    row blocks up to DIRECT_MAX_ROWS routed rows) and then: direct, the experts in one launch and the
-    combine; aligned, align, gate_up, down, and combine above COMBINE_IN_DOWN_MAX_TOKENS tokens only; a shared expert wider than a routed one adds its own
+    row blocks up to DIRECT_MAX_ROWS routed rows), align (above that only), gate_up, down, and combine
+    above COMBINE_IN_DOWN_MAX_TOKENS tokens only; a shared expert wider than a routed one adds its own
     kernels. Torch only allocates and takes views."""
     monkeypatch.setattr(freetoken.kernels, "MODE", "triton")
     block = merged(moe_block(shared_size=None if stacked else 2 * shape("cpu")[3]))
@@ -398,8 +388,7 @@ def test_sparse_moe_launches(stacked, tokens, monkeypatch):
     assert direct == (tokens == 5)
     combine = tokens > moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
     assert combine == (tokens == 70)
-    experts = ["_experts_direct_kernel", "_combine_kernel"] if direct else ["_align_kernel", "_gate_up_kernel", "_down_kernel", *(["_combine_kernel"] if combine else [])]
-    moe = ["_route_kernel", *experts]
+    moe = ["_route_kernel", *([] if direct else ["_align_kernel"]), "_gate_up_kernel", "_down_kernel", *(["_combine_kernel"] if combine else [])]
     assert sorted(kernels) == sorted(["_linear_kernel", *moe, *([] if stacked else shared)]), kernels
     computing = [op for op in ops if not op.is_view and op.overloadpacket is not torch.ops.aten.empty]
     assert not computing, f"torch ops on the Triton path: {computing}"
@@ -476,8 +465,8 @@ def test_sparse_moe_replays_in_a_cuda_graph():
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA and TRITON_INTERPRET=0")
 def test_sparse_moe_kernel_count():
     """Merged (the shared expert stacked as expert E), one forward of one token is four kernels: merged
-    gate linear, route (writing the direct row blocks), the experts in one launch, the combine; of 8 tokens (72 routed
-    rows) five (align, gate_up, down combining); of 80 tokens six, the combine's own launch too."""
+    gate linear, route (writing the direct row blocks), gate_up, down (combining); of 8 tokens (72 routed
+    rows) five, align too; of 80 tokens six, the combine's own launch too."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -89,14 +89,6 @@ DIRECT_MAX_ROWS = 32
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
-# The direct layout's experts in one launch (`_experts_direct_kernel`): a program per (row, slice of
-# SLICE_I intermediate features) computes its gate/up slice and that slice's share of down, an fp32
-# partial the combine adds up in slice order; the aligned layout's down adds the same slice products
-# in the same order, so a row's bits do not depend on the layout.
-FUSED_DIRECT = 1
-SLICE_I = 32
-FUSED_BLOCK_H, FUSED_WARPS, FUSED_STAGES = 256, 4, 4  # down rows per step of the fused launch
-PARTS_BLOCK_H = 64  # hidden features per combine program when it adds slice partials
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
 BLOCK_H = 128  # hidden features per combine program
@@ -260,57 +252,6 @@ def _gate_up_kernel(
     tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _experts_direct_kernel(
-    x_ptr, w_ptr, wd_ptr, part_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C,
-    stride_xm, stride_we, stride_wn, stride_de, stride_dn,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, SLICE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr,
-):
-    pdl.sync(PDL)
-    pid_m = tl.program_id(0)
-    sl = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= C:
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(sorted_ids_ptr + rows)
-    valid = ids < T
-    tokens = (ids // ROW_K).to(tl.int64)
-    # One [2 * SLICE, BLOCK_K] weight tile a step: the slice's gate rows, then its up rows (one wgmma on sm_90).
-    r = tl.arange(0, 2 * SLICE)
-    feature = sl * SLICE + r % SLICE
-    w_rows = tl.where(r < SLICE, feature, feature + I)
-    ks = tl.arange(0, BLOCK_K)
-    w = w_ptr + e.to(tl.int64) * stride_we
-    acc = tl.zeros((2 * SLICE, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
-        wgu = tl.load(w + w_rows[:, None] * stride_wn + kk[None, :], mask=(feature[:, None] < I) & (kk[None, :] < H), other=0.0)
-        if DOT_F32:
-            x, wgu = x.to(tl.float32), wgu.to(tl.float32)
-        acc = tl.dot(wgu, x, acc, input_precision="ieee")
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, SLICE, BLOCK_M)), (1, 2, 0)))  # [SLICE, BLOCK_M] each
-    dtype = x_ptr.dtype.element_ty  # gate_up's roundings
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    h = (act * up).to(dtype)  # [SLICE, BLOCK_M]; 0 past I
-    if DOT_F32:
-        h = h.to(tl.float32)
-    js = sl * SLICE + tl.arange(0, SLICE)
-    wd = wd_ptr + e.to(tl.int64) * stride_de
-    for c0 in range(0, H, BLOCK_H):  # this slice's product with every down row, stored as the row's partial
-        cols = c0 + tl.arange(0, BLOCK_H)
-        wdt = tl.load(wd + cols[:, None] * stride_dn + js[None, :], mask=(cols[:, None] < H) & (js[None, :] < I), other=0.0)
-        if DOT_F32:
-            wdt = wdt.to(tl.float32)
-        part = tl.dot(wdt, h, input_precision="ieee")  # [BLOCK_H, BLOCK_M]
-        tl.store(part_ptr + (ids[None, :].to(tl.int64) * tl.num_programs(1) + sl) * H + cols[:, None], part, mask=valid[None, :] & (cols[:, None] < H))
-
-
 @triton.jit(do_not_specialize=["T", "N"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -321,7 +262,7 @@ def _down_kernel(
     N, first, stride_sm, stride_gm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-    SHARED_ROW: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -341,11 +282,7 @@ def _down_kernel(
             wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
             if DOT_F32:
                 a, wd = a.to(tl.float32), wd.to(tl.float32)
-            if SLICED:  # each BLOCK_K = SLICE_I step's product on its own, added in fp32 in order (the fused launch's partials)
-                part = tl.dot(wd, a, input_precision="ieee")
-                acc += tl.where(cols[:, None] < H, part, 0.0)  # the select keeps the add out of the dot's accumulator
-            else:
-                acc = tl.dot(wd, a, acc, input_precision="ieee")
+            acc = tl.dot(wd, a, acc, input_precision="ieee")
         y = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
     if COMBINE:  # the last program of this feature tile to finish combines it for every token
@@ -355,42 +292,22 @@ def _down_kernel(
             tl.debug_barrier()
             for t0 in range(0, N, BLOCK_TOK):
                 _combine_tile(
-                    out_ptr, out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+                    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
                     t0 + tl.arange(0, BLOCK_TOK), cols, N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym,
-                    TOP_K, TOP_K_POW2, ROW_K, SHARED, SHARED_ROW, 0, ".cg",
+                    TOP_K, TOP_K_POW2, ROW_K, SHARED, ".cg",
                 )
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _expert_rows_of(
-    out_ptr, part_ptr, rows, cols, mask, stride_om, H,  # rows [BLOCK_TOK] flat expert rows, cols [BLOCK_H]
-    PARTS: tl.constexpr, OUT_CACHE: tl.constexpr,
-):
-    """The expert rows x cols in fp32, as rounded to out's dtype: read from `out`, or (PARTS > 0) the sum
-    from +0 of their PARTS slice partials [T, PARTS, H] in slice order, then rounded."""
-    if PARTS == 0:
-        y = tl.load(out_ptr + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
-    else:
-        y = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.float32)
-        for s in tl.static_range(PARTS):
-            y += tl.load(part_ptr + (rows[:, None] * PARTS + s) * H + cols[None, :], mask=mask, other=0.0)
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    return y
-
-
-@triton.jit
 def _combine_tile(
-    out_ptr, part_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
     tokens, cols,  # [BLOCK_TOK] token ids, [BLOCK_H] hidden features
     N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, SHARED: tl.constexpr, SHARED_ROW: tl.constexpr,
-    PARTS: tl.constexpr, OUT_CACHE: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, SHARED: tl.constexpr, OUT_CACHE: tl.constexpr,
 ):
-    """The block output of `tokens` x `cols` from their expert rows (`_expert_rows_of`: in `out`, or as
-    slice partials) (module docstring, combine). SHARED_ROW: the shared expert is each token's last
-    expert row (stacked), else `shared_ptr`. Elementwise per (token, feature): the same bits whatever
-    the tile's shape."""
+    """The block output of `tokens` x `cols` from their expert rows in `out` (module docstring, combine).
+    Elementwise per (token, feature): the same bits whatever the tile's shape."""
     tokens = tokens.to(tl.int64)
     slots = tl.arange(0, TOP_K_POW2)
     big = 2147483647
@@ -407,34 +324,30 @@ def _combine_tile(
         prev = e
         held = live & (e >= first) & (e < first + C)
         row = tokens * ROW_K + slot
-        y = _expert_rows_of(out_ptr, part_ptr, row, cols, held[:, None] & (cols[None, :] < H), stride_om, H, PARTS, OUT_CACHE)
+        y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
         w = tl.sum(tl.where(slots[None, :] == slot[:, None], weights, 0.0), 1)  # the weight in that slot, exactly
         acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
     mask = live[:, None] & (cols[None, :] < H)
     if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
         g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
         gate = tl.sigmoid(g).to(dtype).to(tl.float32)
-        if SHARED_ROW:
-            shared = _expert_rows_of(out_ptr, part_ptr, tokens * ROW_K + TOP_K, cols, mask, stride_om, H, PARTS, OUT_CACHE)
-        else:
-            shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
+        shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
         acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
     tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["N"])
 def _combine_kernel(
-    out_ptr, part_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+    out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
     N, H, first, C,
     stride_om, stride_sm, stride_gm, stride_ym,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr,
-    SHARED_ROW: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, BLOCK_H: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     _combine_tile(
-        out_ptr, part_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
+        out_ptr, experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr,
         tl.program_id(0) * BLOCK_TOK + tl.arange(0, BLOCK_TOK), tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H),
-        N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym, TOP_K, TOP_K_POW2, ROW_K, SHARED, SHARED_ROW, PARTS, "",
+        N, H, first, C, stride_om, stride_sm, stride_gm, stride_ym, TOP_K, TOP_K_POW2, ROW_K, SHARED, "",
     )
 
 
@@ -446,7 +359,6 @@ class RowBlocks(NamedTuple):
     rows: int  # T, the routed rows they cover
     first: int  # the held experts are [first, first + count)
     count: int
-    direct: bool  # the direct layout (one row per block), else aligned
 
 
 def is_direct(rows: int) -> bool:
@@ -461,7 +373,7 @@ def max_blocks(num_experts: int, rows: int) -> int:
 
 def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
     sorted_ids = torch.empty((rows * BLOCK_M,), dtype=torch.int32, device=device)
-    return RowBlocks(sorted_ids, torch.empty((rows,), dtype=torch.int32, device=device), rows, first, count, True)
+    return RowBlocks(sorted_ids, torch.empty((rows,), dtype=torch.int32, device=device), rows, first, count)
 
 
 class RouteOutputs(NamedTuple):
@@ -540,7 +452,7 @@ def align(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
         experts, sorted_ids, block_expert, rows, first, count, nb,
         BLOCK_T=BLOCK_T, BLOCK_C=triton.next_power_of_2(count), BLOCK_M=BLOCK_M, num_warps=4, **pdl.launch_kwargs(),
     )
-    return RowBlocks(sorted_ids, block_expert, rows, first, count, False)
+    return RowBlocks(sorted_ids, block_expert, rows, first, count)
 
 
 def row_blocks(experts: torch.Tensor, first: int, count: int) -> RowBlocks:
@@ -558,7 +470,6 @@ class _Combine(NamedTuple):
     y: torch.Tensor  # [N, H] the result
     first: int
     count: int
-    stacked: bool  # the shared expert is each token's last expert row (`shared` is that row of `out`)
 
     def launch_args(self) -> tuple:
         """As the kernels take them: pointers (experts, weights, shared, gate, y), sizes (N, H, first, C),
@@ -566,7 +477,7 @@ class _Combine(NamedTuple):
         n, hidden = self.y.shape
         top_k = self.weights.shape[1]
         shared, gate = (self.shared, self.shared_gate) if self.shared is not None else (self.y, self.y)  # unread stand-ins
-        meta = dict(TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=self.experts.shape[1], SHARED=self.shared is not None, SHARED_ROW=self.stacked)
+        meta = dict(TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=self.experts.shape[1], SHARED=self.shared is not None)
         return (self.experts, self.weights, shared, gate, self.y), (n, hidden, self.first, self.count), (shared.stride(0), gate.stride(0), self.y.stride(0)), meta
 
 
@@ -589,27 +500,10 @@ def _expert_rows(
     rows = n * row_k
     if blocks is None:
         blocks = row_blocks(experts, first, count)
-    assert blocks[2:5] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:5])}, not {(rows, first, count)}"
+    assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
     sorted_ids, block_expert = blocks.sorted_ids, blocks.block_expert
     nb = block_expert.shape[0]
     fp32 = x.dtype == torch.float32
-    ptrs, sizes, strides, meta = combine.launch_args()
-    sliced = bool(FUSED_DIRECT)
-    if sliced and blocks.direct:
-        slices = triton.cdiv(inter, SLICE_I)
-        parts = torch.empty((rows, slices, hidden), dtype=torch.float32, device=x.device)
-        _experts_direct_kernel[(nb, slices)](
-            x, gate_up, down, parts, sorted_ids, block_expert,
-            rows, hidden, inter, count,
-            x.stride(0), gate_up.stride(0), gate_up.stride(1), down.stride(0), down.stride(1),
-            ROW_K=row_k, BLOCK_M=BLOCK_M, SLICE=SLICE_I, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, BLOCK_H=FUSED_BLOCK_H,
-            DOT_F32=INTERPRET, num_warps=FUSED_WARPS, num_stages=FUSED_STAGES, **pdl.launch_kwargs(),
-        )
-        _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, PARTS_BLOCK_H))](
-            out, parts, *ptrs, *sizes, out.stride(0), *strides,
-            BLOCK_TOK=BLOCK_TOK, BLOCK_H=PARTS_BLOCK_H, **meta, PARTS=slices, num_warps=4, **pdl.launch_kwargs(),
-        )
-        return
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
@@ -618,6 +512,7 @@ def _expert_rows(
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
+    ptrs, sizes, strides, meta = combine.launch_args()
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
@@ -626,13 +521,13 @@ def _expert_rows(
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *ptrs, counters, n, first, *strides,
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=SLICE_I if sliced else FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, SLICED=sliced, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
+        COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down:
         _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
-            out, out, *ptrs, *sizes, out.stride(0), *strides,
-            BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, PARTS=0, num_warps=4, **pdl.launch_kwargs(),
+            out, *ptrs, *sizes, out.stride(0), *strides,
+            BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, num_warps=4, **pdl.launch_kwargs(),
         )
 
 
@@ -658,7 +553,7 @@ def moe_experts(
     if with_shared:
         shared = shared if shared.stride(1) == 1 else shared.contiguous()
     out = torch.empty((experts.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, first, gate_up.shape[0], False)
+    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, first, gate_up.shape[0])
     _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine)
     return y
 
@@ -685,6 +580,6 @@ def moe_experts_with_shared(
     row_k = experts.shape[1]
     out = torch.empty((n * row_k, hidden), dtype=x.dtype, device=x.device)
     shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
-    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0], True)
+    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
     _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine)
     return y
