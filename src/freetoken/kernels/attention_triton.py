@@ -49,6 +49,7 @@ BLOCK_N = 64
 PARTITION = 64  # keys per partition: exactly one BLOCK_N block
 NUM_WARPS = 8  # bench/attention_speed.py on the H200 (partition + merge at 576 keys): 6.98 us a call, 7.87 with 4 warps, 8.05 at 32-key partitions
 WORKSPACE_BYTES = 64 << 20
+MERGE_WARPS = 8  # 4 or 2 the same within noise in the 35B-A3B step (logs/variants-35b-small-kernels.jsonl)
 
 
 @triton.jit
@@ -186,7 +187,7 @@ def paged_attention(
         _merge_kernel[(r1 - r0, num_q_heads)](
             m_ws, l_ws, acc_ws, g[r0:], out[r0:], batch.context_lens[r0:],
             d, num_parts, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
+            HAS_GATE=gate is not None, D_PAD=d_pad, PARTITION=PARTITION, num_warps=MERGE_WARPS, **pdl.launch_kwargs(),
         )
     return out
 

@@ -16,6 +16,10 @@ import triton.language as tl
 from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
+# Channels a program, and warps. H200, 35B-A3B decode step (logs/variants-35b-small-kernels.jsonl): 128 or 512 channels, 2 warps, none faster.
+BLOCK_C = 256
+NUM_WARPS = 4
+
 
 @triton.jit(do_not_specialize=["write_state"])
 def _conv_kernel(
@@ -76,12 +80,12 @@ def causal_conv1d(
     out = torch.empty_like(rows)
     if batch.num_seqs == 0 or n == 0:
         return out
-    block_c = min(256, triton.next_power_of_2(c))
+    block_c = min(BLOCK_C, triton.next_power_of_2(c))
     grid = (batch.num_seqs, triton.cdiv(c, block_c))
     _conv_kernel[grid](
         windows, rows, weight, out, batch.starts, batch.counts, batch.slots,
         c, int(write_state),
         windows.stride(0), windows.stride(1), rows.stride(0), weight.stride(0), out.stride(0),
-        KW=kw, BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), BLOCK_C=block_c, num_warps=4, **pdl.launch_kwargs(),
+        KW=kw, BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), BLOCK_C=block_c, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

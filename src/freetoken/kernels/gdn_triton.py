@@ -20,6 +20,11 @@ import triton.language as tl
 from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
+# Value columns a program (its state tile is [Dk, BLOCK_V] fp32) and the fused kernel's warps. H200, 35B-A3B
+# decode step (logs/variants-35b-small-kernels.jsonl): 16 or 64 columns, 2 or 8 warps, none faster.
+BLOCK_V = 32
+NUM_WARPS = 4
+
 
 @triton.jit(do_not_specialize=["write_state", "write_output"])
 def _gdn_kernel(
@@ -85,7 +90,7 @@ def gdn_recurrent(
     if batch.num_seqs == 0 or q.shape[0] == 0:
         return out
     o = out if out is not None else v  # never written when compute_output is False
-    block_v = min(32, triton.next_power_of_2(dv))
+    block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     grid = (batch.num_seqs, num_heads, triton.cdiv(dv, block_v))
     _gdn_kernel[grid](
         state, q, k, v, g, beta, o, batch.starts, batch.counts, batch.slots,
@@ -174,13 +179,13 @@ def gdn_fused(
     if batch.num_seqs == 0 or n == 0:
         return out
     o = out if out is not None else state  # never written when compute_output is False
-    block_v = min(32, triton.next_power_of_2(dv))
+    block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     grid = (batch.num_seqs, num_heads, triton.cdiv(dv, block_v))
     _gdn_fused_kernel[grid](
         state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4, **pdl.launch_kwargs(),
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

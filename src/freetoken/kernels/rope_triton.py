@@ -17,6 +17,8 @@ import triton.language as tl
 
 from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 
+NUM_WARPS = 4  # of the fused q/k norm + RoPE + cache write; 2 or 8 the same within noise in the 35B-A3B step (logs/variants-35b-small-kernels.jsonl)
+
 
 @triton.jit
 def _norm_rope_kernel(
@@ -92,6 +94,6 @@ def norm_rope_store(
         hq, d, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1),
-        ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=4, **pdl.launch_kwargs(),
+        ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return q_out
