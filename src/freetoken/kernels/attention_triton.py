@@ -47,7 +47,7 @@ from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_N = 64
 PARTITION = 64  # keys per partition: exactly one BLOCK_N block
-NUM_WARPS = 8  # bench/attention_speed.py on the H200 (partition + merge at 576 keys): 6.98 us a call, 7.87 with 4 warps, 8.05 at 32-key partitions
+NUM_WARPS = 8  # bench/attention_speed.py on the H200 (partition + merge, 576 keys): 6.46 us a call, 7.45 with 4 warps, 6.77 at 32-key partitions
 WORKSPACE_BYTES = 64 << 20
 MERGE_WARPS = 8  # 4 or 2 the same within noise in the 35B-A3B step (logs/variants-35b-small-kernels.jsonl)
 
