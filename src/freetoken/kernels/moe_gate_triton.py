@@ -10,7 +10,7 @@ the split-K linear) reads all of them back and routes the token (`moe_triton._ro
 experts, weights and direct row blocks are those of `route`).
 
 Precision follows the unfused ops: s is rounded to x.dtype like a torch add, h exactly as
-`_add_zc_rms_norm_kernel` computes it (same block, same warps, so the same reduction), and each logit
+`_add_zc_rms_norm_kernel` computes it (same block, same warps: norm_triton.ADD_NORM_WARPS, so the same reduction), and each logit
 is the fp32 dot of h with its weight row, rounded to x.dtype as the linear's output is (its summation
 order differs from the linear kernel's, so logits may differ from the unfused path in the last bit).
 One token per program and a launch configuration fixed by the shapes: a token's bits never depend on
@@ -23,12 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import moe_triton, pdl
+from freetoken.kernels import moe_triton, norm_triton, pdl
 
 GATE_ROWS = 4  # gate logits per program: 65 programs per token at E = 256. H200, 35B-A3B decode step in one
 # run (bench/variants.py): 2.6655 ms at 4 rows, 2.6786 at 2, 2.6823 at 8, 2.8909 at 16 (logs/variants-gate-rows-35b-a26586a.jsonl)
 MAX_TOKENS_PER_LAUNCH = 1024  # bounds the per-token counters; longer calls are cut (no bits change)
-NUM_WARPS = 4  # as `add_zc_rms_norm` at H <= 4096, so h has its bits
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -99,7 +98,7 @@ def add_norm_route(
     num_gates = gates.shape[0]
     num_experts = num_gates - 1
     assert gates.shape[1] == hidden and gates.stride(1) == 1, f"add_norm_route: gates {tuple(gates.shape)} for hidden {hidden}"
-    assert triton.next_power_of_2(hidden) <= 4096, "add_norm_route: one row of at most 4096 features per program (NUM_WARPS)"
+    assert triton.next_power_of_2(hidden) <= 4096, "add_norm_route: one row of at most 4096 features per program (norm_triton.ADD_NORM_WARPS)"
     x = x if x.stride(1) == 1 else x.contiguous()
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
     out = moe_triton.route_outputs(n, num_experts, top_k, x.dtype, with_shared, first, count, x.device)
@@ -114,6 +113,6 @@ def add_norm_route(
             out.experts[t0:], out.weights[t0:], *out.block_ptrs,
             hidden, num_gates, num_experts, eps, x.stride(0), residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
             out.rows, first, out.count,
-            BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, num_warps=NUM_WARPS, **out.meta, **pdl.launch_kwargs(),
+            BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
         )
     return s, h, out.experts, out.weights, logits[:, num_experts:], out.blocks

@@ -19,6 +19,9 @@ _ACTS = {"silu": 0, "sigmoid": 1}
 # The gated form's warps (rows of at most 4096; the GDN output heads are 128 wide). H200, 35B-A3B decode step
 # (logs/variants-35b-small-kernels.jsonl): 2.515 ms at one warp against 2.525 at four, 2.523 at two.
 GATED_WARPS = 1
+# `add_zc_rms_norm` at D <= 4096, and the MoE entry (moe_gate_triton), so their h has the same bits. H200,
+# 35B-A3B decode step (logs/variants-35b-add-norm-warps.jsonl): 2.529 ms at 4 warps, 2.543 at 8, 2.566 at 2 or 16.
+ADD_NORM_WARPS = 4
 
 
 @triton.jit
@@ -117,7 +120,7 @@ def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     if n:
         _add_zc_rms_norm_kernel[(n,)](
             x, residual, weight.contiguous(), s, y, d, x.stride(0), residual.stride(0), s.stride(0), y.stride(0), eps,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8, **pdl.launch_kwargs(),
+            BLOCK_D=triton.next_power_of_2(d), num_warps=ADD_NORM_WARPS if d <= 4096 else 8, **pdl.launch_kwargs(),
         )
     return s, y
 
