@@ -24,6 +24,11 @@ GATED_WARPS = 1
 ADD_NORM_WARPS = 4
 
 
+def _row_warps(d: int, warps: int) -> int:
+    """A row kernel's warps: `warps` up to 4096 features, 8 above."""
+    return warps if d <= 4096 else 8
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
@@ -69,7 +74,7 @@ def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: 
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, z2, weight.contiguous(), y, d, x2.stride(0), z2.stride(0), y.stride(0), eps, z_heads, z_head_stride,
-            MODE=mode, ACT=act, BLOCK_D=triton.next_power_of_2(d), num_warps=8 if d > 4096 else GATED_WARPS if mode == 2 else 4, **pdl.launch_kwargs(),
+            MODE=mode, ACT=act, BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, GATED_WARPS if mode == 2 else 4), **pdl.launch_kwargs(),
         )
     return y.view(x.shape)
 
@@ -120,7 +125,7 @@ def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     if n:
         _add_zc_rms_norm_kernel[(n,)](
             x, residual, weight.contiguous(), s, y, d, x.stride(0), residual.stride(0), s.stride(0), y.stride(0), eps,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=ADD_NORM_WARPS if d <= 4096 else 8, **pdl.launch_kwargs(),
+            BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, ADD_NORM_WARPS), **pdl.launch_kwargs(),
         )
     return s, y
 
