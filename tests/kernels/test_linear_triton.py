@@ -75,3 +75,29 @@ def test_split_k_rows_are_invariant_and_launches_cut_cleanly(device, monkeypatch
         assert torch.equal(linear_triton.linear(x[i : i + 1], w), full[i : i + 1])
     monkeypatch.setattr(linear_triton, "MAX_ROWS_PER_LAUNCH", 16)  # several launches of one config
     assert torch.equal(linear_triton.linear(x, w), full)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_conv_has_the_bits_of_linear_then_conv(device, dtype):
+    """A GDN decode step's projection with the convolution in its launch == the plain linear, then
+    `causal_conv1d` on its first C features (one row per sequence): the same output bits and the same
+    windows after, the unconvolved features untouched; rows in other slots leave those windows alone."""
+    from freetoken.kernels import conv_triton
+    from freetoken.kernels.batched import SeqBatch
+
+    m, k, n, c, num_slots = (3, 80, 72, 40, 5) if device == "cpu" else (19, 2048, 12352, 8192, 24)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
+    windows = torch.randn(num_slots, 3, c, generator=gen).to(dtype).to(device)
+    conv_weight = torch.randn(c, 1, 4, generator=gen).to(dtype).to(device)[:, 0, :]  # the layer's strided view
+    slots = torch.randperm(num_slots, generator=gen)[:m].tolist()
+    batch = SeqBatch(tuple(range(m)), (1,) * m, (0,) * m, tuple(slots), (), torch.device(device))
+    assert linear_triton.conv_fusable(x, weight, windows, conv_weight)
+    want_windows = windows.clone()
+    want = linear_triton.linear(x, weight)
+    want[:, :c] = conv_triton.causal_conv1d(want_windows, want[:, :c], conv_weight, batch)
+    got = linear_triton.linear_conv(x, weight, windows, conv_weight, batch.slots)
+    assert torch.equal(got, want)
+    assert torch.equal(windows, want_windows)

@@ -45,6 +45,11 @@ built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
                       dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=False, PDL=True),
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+cfg = lt.config_for(12352, 2048, __import__("torch").bfloat16)  # the 35B-A3B GDN input projection, its convolution in the launch
+built["linear_conv"] = ptx(lt._linear_conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "win_ptr": "*bf16", "conv_w_ptr": "*bf16", "slots_ptr": "*i32"},
+                           ("M", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "win_slot", "win_t", "conv_wc"),
+                           dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=False, PDL=True),
+                           {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", "conv_wc"))
 json.dump({name: [p.count("wgmma.mma_async"), p.count("mma.sync")] for name, p in built.items()}, sys.stdout)
 """
 
@@ -54,7 +59,7 @@ def counts():
     return json.loads(sm90_build.run(_BUILD))
 
 
-@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear"])
+@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv"])
 def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
     wgmma, mma_sync = counts[kernel]
     assert wgmma > 0 and mma_sync == 0, f"{kernel}: {wgmma} wgmma, {mma_sync} mma.sync"

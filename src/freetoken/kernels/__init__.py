@@ -27,6 +27,7 @@ from freetoken.kernels.batched import SeqBatch, seq_batch
 from freetoken.kernels.rope_ref import apply_rope
 
 if TYPE_CHECKING:
+    from freetoken.kernels.moe_exit_triton import PendingCombine
     from freetoken.kernels.moe_triton import RowBlocks
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
@@ -64,6 +65,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear_ref.linear(x, weight)
 
 
+def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+    """A GDN decode step's input projection with its convolution (Triton only): x [M, K] (one row per
+    sequence) @ weight [N, K]^T -> [M, N] whose first C features are silu(conv) over the windows
+    [slots, 3, C] of `slots` [M] (advanced in place; conv_weight [C, 4]), as `linear` then
+    `causal_conv1d_batched` give them. None where the fused launch does not apply (call those two)."""
+    from freetoken.kernels import linear_triton
+
+    if not linear_triton.conv_fusable(x, weight, windows, conv_weight):
+        return None
+    return linear_triton.linear_conv(x, weight, windows, conv_weight, slots)
+
+
 def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """norm(x) * (1 + w); x [..., D], weight [D]."""
     if use_triton(x):
@@ -82,8 +95,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return norm_ref.rms_norm(x, weight, eps)
 
 
-def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, norm(s) * (1 + w)) with s = x + residual; x, residual [N, D]."""
+def add_zc_rms_norm(x: "torch.Tensor | PendingCombine", residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s) * (1 + w)) with s = x + residual; x, residual [N, D]. x may be a MoE block's output
+    whose combine was deferred (`moe_experts_with_shared`): then this launch combines it too."""
+    if not isinstance(x, torch.Tensor):
+        return x.add_zc_rms_norm(residual, weight, eps)
     if use_triton(x):
         from freetoken.kernels import norm_triton
 
@@ -216,15 +232,16 @@ def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, g
     return moe_ref.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
 
 
-def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, blocks: RowBlocks | None = None) -> torch.Tensor:
+def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, blocks: RowBlocks | None = None, defer_combine: bool = False) -> "torch.Tensor | PendingCombine":
     """The block output with the shared expert held as expert E: x [N, H], experts [N, top_k + 1] (column
     top_k = E), weights [N, top_k], gate_up [E + 1, 2I, H], down [E + 1, H, I], shared_gate [N, 1] ->
     acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype, acc over the top_k routed experts.
-    blocks: moe_route's (a Triton layout; the result does not depend on it)."""
+    blocks: moe_route's (a Triton layout; the result does not depend on it). defer_combine: on the
+    Triton path at decode sizes the result may be a PendingCombine, which only `add_zc_rms_norm` takes."""
     if use_triton(x):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks)
+        return moe_triton.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks, defer_combine)
     from freetoken.kernels import moe_ref
 
     return moe_ref.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)
@@ -241,6 +258,7 @@ __all__ = [
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
     "linear",
+    "linear_conv",
     "moe_add_norm_route",
     "moe_experts",
     "moe_experts_with_shared",

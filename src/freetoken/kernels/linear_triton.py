@@ -31,6 +31,9 @@ BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
 NUM_WARPS = 4  # warps a program (a setting for bench/variants.py: decode keeps one to two programs an SM busy)
+# A Gated DeltaNet decode step runs its convolution in the input projection's launch (`linear_conv`),
+# not a launch of its own.
+CONV_IN_PROJECTION = True
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,24 @@ class LinearConfig:
     split: int  # slices of K
     num_warps: int = 4
     num_stages: int = 3
+
+
+@triton.jit
+def _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """The fp32 y^T tile [BLOCK_N, BLOCK_M] of features `cols` x rows `rows` over K in [k_begin, k_end),
+    BLOCK_K at a time from k_begin up: the weight is the dot's wide (left) operand."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < k_end
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_F32:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, x, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -55,20 +76,11 @@ def _linear_kernel(
     pid_s = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T tile: the weight is the dot's wide operand
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < k_end
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + rows[None, :] * stride_xm + kk[:, None], mask=row_ok[None, :] & k_ok[:, None], other=0.0)
-        if DOT_F32:
-            w, x = w.to(tl.float32), x.to(tl.float32)
-        acc = tl.dot(w, x, acc, input_precision="ieee")
+    acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
     out_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
     out_mask = row_ok[None, :] & col_ok[:, None]
     if SPLIT == 1:
@@ -87,6 +99,42 @@ def _linear_kernel(
                 total += tl.load(tile_ptrs + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
             tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_conv_kernel(
+    x_ptr, w_ptr, y_ptr, win_ptr, conv_w_ptr, slots_ptr,
+    M, N, K, C,
+    stride_xm, stride_wn, stride_ym, win_slot, win_t, conv_wc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    conv = (cols < C)[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M] the convolved features
+    # The rows' slots (host copies), the conv weights and the windows (this layer's, written a step
+    # back): read before the wait, and the window's three taps summed while the previous kernel runs.
+    slot = tl.load(slots_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    win = win_ptr + slot[None, :] * win_slot + cols[:, None]
+    cw = conv_w_ptr + cols[:, None] * conv_wc
+    x1 = tl.load(win + win_t, mask=conv, other=0.0)
+    x2 = tl.load(win + 2 * win_t, mask=conv, other=0.0)
+    acc_conv = tl.load(win, mask=conv, other=0.0).to(tl.float32) * tl.load(cw, mask=conv, other=0.0).to(tl.float32)
+    acc_conv = acc_conv + x1.to(tl.float32) * tl.load(cw + 1, mask=conv, other=0.0).to(tl.float32)
+    acc_conv = acc_conv + x2.to(tl.float32) * tl.load(cw + 2, mask=conv, other=0.0).to(tl.float32)
+    w3 = tl.load(cw + 3, mask=conv, other=0.0).to(tl.float32)
+    pdl.sync(PDL)
+    acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, 0, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    x3 = acc.to(y_ptr.dtype.element_ty)
+    acc_conv = acc_conv + x3.to(tl.float32) * w3
+    y = tl.where(conv, (acc_conv * tl.sigmoid(acc_conv)).to(y_ptr.dtype.element_ty), x3)
+    tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], y, mask=row_ok[None, :] & col_ok[:, None])
+    tl.store(win, x1, mask=conv)
+    tl.store(win + win_t, x2, mask=conv)
+    tl.store(win + 2 * win_t, x3.to(x1.dtype), mask=conv)
 
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -132,6 +180,45 @@ def reserve_workspace(device: torch.device, weights: list[torch.Tensor]) -> None
 def _launch_workspace(device: torch.device, m: int, n: int, cfg: LinearConfig):
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     return _workspace(device, tiles * cfg.split * cfg.block_n * BLOCK_M, tiles)
+
+
+def conv_fusable(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor) -> bool:
+    """Whether `linear_conv` takes these: the projection in one launch a row block (no K split, a
+    batch of at most MAX_ROWS_PER_LAUNCH rows) and a window of 3 (kernel 4), and CONV_IN_PROJECTION on."""
+    n, k = weight.shape
+    return (CONV_IN_PROJECTION and conv_weight.shape[1] == 4 and windows.shape[-2] == 3 and x.shape[0] <= MAX_ROWS_PER_LAUNCH
+            and x.dtype == weight.dtype and config_for(n, k, weight.dtype).split == 1)
+
+
+def linear_conv(
+    x: torch.Tensor,  # [M, K], one decode row per sequence
+    weight: torch.Tensor,  # [N, K], its first C output features the convolution's channels
+    windows: torch.Tensor,  # [slots, 3, C] the convolution's window pool (raw inputs), advanced in place
+    conv_weight: torch.Tensor,  # [C, 4]
+    slots: torch.Tensor,  # [M] int32, each row's window slot
+) -> torch.Tensor:  # [M, N] x.dtype
+    """x @ weight^T with the decode step of the causal convolution on its first C features: those are
+    silu(conv) as `conv_triton.causal_conv1d` gives them (same taps, same order; the window shifts
+    in), the rest the plain linear's. Each feature tile is the plain linear's tile (same
+    configuration), so the bits of both results are the unfused ops'. Requires `conv_fusable`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    c = conv_weight.shape[0]
+    assert conv_fusable(x, weight, windows, conv_weight) and windows.shape[-1] == c and windows.stride(-1) == 1 and c <= n
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    conv_weight = conv_weight if conv_weight.stride(1) == 1 else conv_weight.contiguous()
+    cfg = config_for(n, k, weight.dtype)
+    _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n))](
+        x, weight, y, windows, conv_weight, slots, m, n, k, c,
+        x.stride(0), weight.stride(0), y.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
+    )
+    return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:

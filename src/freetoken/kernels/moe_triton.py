@@ -54,7 +54,9 @@ Kernels:
             COMBINE_IN_DOWN_MAX_TOKENS tokens the down launch runs it: each program bumps its feature
             tile's arrival counter after storing its rows, and the last to arrive combines the tile
             for every token (as the split-K linear finishes a tile); above that `_combine_kernel`.
-            Elementwise per (token, feature), so both give the same bits.
+            A stacked block may instead leave it to the next residual add + norm (moe_exit_triton,
+            `moe_experts_with_shared(defer_combine=True)`). Elementwise per (token, feature), so all
+            give the same bits.
 
 Row invariance (DESIGN.md invariant 5): every GEMM tile walks K from 0 upwards in BLOCK_K steps with
 fp32 accumulation and one configuration per dtype, the token count is not specialised on, routing is
@@ -72,6 +74,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import linear_triton, pdl
+from freetoken.kernels.moe_exit_triton import PendingCombine
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
@@ -95,6 +98,9 @@ BLOCK_H = 128  # hidden features per combine program
 # Up to this many tokens the down launch combines: the last of its programs to finish a feature tile
 # combines that tile for every token, so the block needs no combine launch.
 COMBINE_IN_DOWN_MAX_TOKENS = 64
+# Up to that many tokens, a stacked block asked to defer its combine (`moe_experts_with_shared`) leaves
+# it to the next residual add + norm (moe_exit_triton), which takes it off the down launch's tail.
+COMBINE_IN_NEXT_NORM = True
 
 
 @triton.jit
@@ -488,14 +494,16 @@ def _expert_rows(
     blocks: RowBlocks | None,  # these experts' row blocks (route's, or forced by a test); None: made here
     out: torch.Tensor,  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
     combine: _Combine,
+    defer: bool = False,
 ) -> None:
     """The row blocks (direct or align launch) unless given, gate_up, down and the combine: in the down
-    launch up to COMBINE_IN_DOWN_MAX_TOKENS tokens (its last program per feature tile), else its own launch.
-    Either way each (token, feature) of y gets the same bits (`_combine_tile`)."""
+    launch up to COMBINE_IN_DOWN_MAX_TOKENS tokens (its last program per feature tile), else its own
+    launch; none when `defer` (the caller's next launch combines, moe_exit_triton). Either way each
+    (token, feature) of y gets the same bits (`_combine_tile`)."""
     n, hidden = x.shape
+    count, two_i, _ = gate_up.shape
     experts, first = combine.experts, combine.first
     row_k = experts.shape[1]
-    count, two_i, _ = gate_up.shape
     inter = two_i // 2
     rows = n * row_k
     if blocks is None:
@@ -513,7 +521,7 @@ def _expert_rows(
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     ptrs, sizes, strides, meta = combine.launch_args()
-    in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS
+    in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
     _down_kernel[(nb, feature_tiles)](
@@ -524,7 +532,7 @@ def _expert_rows(
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
-    if not in_down:
+    if not in_down and not defer:
         _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
             out, *ptrs, *sizes, out.stride(0), *strides,
             BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, num_warps=4, **pdl.launch_kwargs(),
@@ -566,9 +574,12 @@ def moe_experts_with_shared(
     down: torch.Tensor,  # [E + 1, H, I]
     shared_gate: torch.Tensor,  # [N, 1] shared expert gate logit, x.dtype
     blocks: RowBlocks | None = None,  # these experts' row blocks (route's); None: made here
-) -> torch.Tensor:  # [N, H] x.dtype
+    defer_combine: bool = False,
+) -> torch.Tensor | PendingCombine:  # [N, H] x.dtype
     """The block output acc.to(x.dtype) + sigmoid(shared_gate) * shared, the shared expert run as expert E
-    of the grouped GEMMs (its row of `out` is `shared`); acc sums the top_k routed experts only."""
+    of the grouped GEMMs (its row of `out` is `shared`); acc sums the top_k routed experts only.
+    With defer_combine, up to COMBINE_IN_DOWN_MAX_TOKENS tokens (and COMBINE_IN_NEXT_NORM), the expert
+    rows and their routing instead: the next `add_zc_rms_norm` combines (moe_exit_triton)."""
     assert x.dtype == gate_up.dtype == down.dtype, f"moe_experts_with_shared: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
     assert experts.shape[1] == weights.shape[1] + 1, f"moe_experts_with_shared: experts {tuple(experts.shape)}, weights {tuple(weights.shape)}"
     n, hidden = x.shape
@@ -581,5 +592,6 @@ def moe_experts_with_shared(
     out = torch.empty((n * row_k, hidden), dtype=x.dtype, device=x.device)
     shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
     combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
-    _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine)
-    return y
+    defer = defer_combine and COMBINE_IN_NEXT_NORM and n <= COMBINE_IN_DOWN_MAX_TOKENS
+    _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
+    return PendingCombine(out, experts, combine.weights, shared_gate) if defer else y

@@ -78,8 +78,9 @@ class MLP(nn.Module):
 
             self.gate_up_weight = merge_linears([self.gate_proj, self.up_proj])
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp(norm(x + residual)), x + residual); [N, H] each. The decoder layer's entry to every MLP block."""
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(x + residual)), x + residual); [N, H] each. The decoder layer's entry to every MLP
+        block (defer_combine: the MoE block's option; a dense MLP has nothing to defer)."""
         residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
         return self(h), residual
 

@@ -4,6 +4,9 @@ in_proj_qkv -> causal depthwise conv (+silu) -> q, k, v heads; beta = sigmoid(b)
 g = -exp(A_log) * softplus(a + dt_bias); the delta-rule recurrence with fp32 state; gated RMSNorm
 with z; out_proj. Value head j reads key head j // (Hv / Hk).
 
+On the Triton path a decode step (one row per sequence) runs the convolution inside the input
+projection's launch (`kernels.linear_conv`: the same bits as the projection, then the convolution).
+
 State handling (DESIGN.md invariant 4): in EXTEND mode the conv window and recurrent state advance
 in place; in VERIFY mode they are only read and each row's inputs are stashed; `commit` replays the
 accepted rows through the same batched recurrence and convolution. Each op covers all sequences of
@@ -148,6 +151,19 @@ class GatedDeltaNet(nn.Module):
             mixed_qkv, z, b, a = torch.split(kernels.linear(x, self.in_proj_weight), [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
         return mixed_qkv, z.view(n, self.num_v_heads, self.v_head_dim), b, a
 
+    def _project_conv(self, x: torch.Tensor, windows: torch.Tensor, batch: kernels.SeqBatch):
+        """A decode step's projection with the convolution in its launch (`kernels.linear_conv`) ->
+        conv_out [N, C], z [N, Hv, Dv], b, a [N, Hv]; None where that does not apply (the torch path,
+        unmerged projections, a sequence with other than one row)."""
+        if self.in_proj_weight is None or not kernels.use_triton(x) or any(n != 1 for n in batch.num_rows) or len(batch.num_rows) != x.shape[0]:
+            return None
+        fused = kernels.linear_conv(x, self.in_proj_weight, windows, self.conv1d.weight[:, 0, :], batch.slots)
+        if fused is None:
+            return None
+        hv, n = self.num_v_heads, x.shape[0]
+        conv_out, z, b, a = torch.split(fused, [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
+        return conv_out, z.view(n, hv, self.v_head_dim), b, a
+
     def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype):
         """The recurrence over batch's rows: the fused kernel on the Triton path, else torch -> [N, Hv, Dv]."""
         if kernels.use_triton(conv_out):
@@ -173,11 +189,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
         n = x.shape[0]
-        mixed_qkv, z, b, a = self._project(x)
         conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
+        fused = None if ctx.mode is ForwardMode.VERIFY else self._project_conv(x, conv_pool, batch)
+        if fused is not None:  # a decode step: the convolution ran in the projection's launch
+            conv_out, z, b, a = fused
+            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
+            return self.out_proj(self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim))
+        mixed_qkv, z, b, a = self._project(x)
         if ctx.mode is ForwardMode.VERIFY:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
             if kernels.use_triton(x):

@@ -17,7 +17,8 @@ the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode 
 (N * R <= 32 routed rows, R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) it also
 writes the expert GEMMs' row blocks (one row per block), and up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
 tokens the down launch also combines, so with the stacked shared expert the add, norm and block are
-three launches (that one, gate_up, down), and with a dense shared MLP six (and the MLP's gate_up
+three launches (that one, gate_up, down); in the decoder trunk (`defer_combine`) the combine moves
+instead into the next residual add + norm's launch (kernels/moe_exit_triton.py), and with a dense shared MLP six (and the MLP's gate_up
 linear, silu_mul and down linear). Above those sizes, the rows are grouped by expert first (align)
 and the combine has its own launch: one launch more each. A row's result has the same bits either way.
 
@@ -87,9 +88,11 @@ class SparseMoE(nn.Module):
         routing = kernels.moe_route(router, self.top_k, x.dtype, **self._routed(stacked))
         return self._experts(x, *routing, shared_gate, stacked)
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(block(norm(x + residual)), x + residual): on the Triton path with merged gates the add, the
-        norm, the gates and the routing are one launch (`kernels.moe_add_norm_route`); [N, H] each."""
+        norm, the gates and the routing are one launch (`kernels.moe_add_norm_route`); [N, H] each.
+        defer_combine: the block output may come back as a `PendingCombine` for the caller's next
+        `kernels.add_zc_rms_norm`, which then combines it (stacked shared expert, decode sizes)."""
         if self.gates_weight is None or not kernels.use_triton(x) or not kernels.FUSE_MOE_ENTRY:
             residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
             return self(h), residual
@@ -97,15 +100,15 @@ class SparseMoE(nn.Module):
         residual, h, experts, weights, shared_gate, blocks = kernels.moe_add_norm_route(
             x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, **self._routed(stacked),
         )
-        return self._experts(h, experts, weights, blocks, shared_gate, stacked), residual
+        return self._experts(h, experts, weights, blocks, shared_gate, stacked, defer_combine), residual
 
     def _routed(self, stacked: bool) -> dict:
         """Routing's with_shared / first / count: the stacked shared expert as one more expert, else this rank's experts."""
         return dict(with_shared=True, first=0, count=None) if stacked else dict(with_shared=False, first=self.experts.first, count=self.experts.count)
 
-    def _experts(self, x, experts, weights, blocks, shared_gate, stacked: bool) -> torch.Tensor:  # routed (and shared) experts of x [N, H] -> [N, H]
+    def _experts(self, x, experts, weights, blocks, shared_gate, stacked: bool, defer_combine: bool = False) -> torch.Tensor:  # routed (and shared) experts of x [N, H] -> [N, H]
         if stacked:  # experts [N, top_k + 1], weights [N, top_k]
-            return kernels.moe_experts_with_shared(x, experts, weights, *self.stacked, shared_gate, blocks)
+            return kernels.moe_experts_with_shared(x, experts, weights, *self.stacked, shared_gate, blocks, defer_combine)
         routed = (x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)
         if self.parallel.is_parallel:
             acc = self.parallel.all_reduce(kernels.moe_experts(*routed, blocks=blocks))  # [N, H] fp32

@@ -1,0 +1,95 @@
+"""A stacked MoE block's exit in one launch (Triton): the combine, the residual add and the next norm.
+
+Up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS tokens the down launch can combine (its last program per
+feature tile), but that puts two dependent round trips through L2 (the arrival counter, then the
+expert rows) at the end of the down launch, on the critical path. The block can instead hand back a
+`PendingCombine` (the expert rows and their routing); the decoder's next residual add + zero-centred
+RMSNorm (`kernels.add_zc_rms_norm`) then runs here, one program per token: it loads the routing and
+the norm weight before its PDL wait (the entry wrote the routing three launches back), then the
+token's expert rows and residual in one round trip, and computes
+
+    y = combine(rows)            as moe_triton._combine_tile: routed products rounded to x.dtype and
+                                 added in fp32 in ascending expert id, then the gated shared expert
+    s = (y + residual) in x.dtype, h = norm(s) * (1 + w)    as norm_triton._add_zc_rms_norm_kernel.
+
+Both steps are elementwise per (token, feature) but the norm's one reduction, which has the block,
+warps and load pattern of `_add_zc_rms_norm_kernel` (BLOCK_D, norm_triton.ADD_NORM_WARPS): y, s and h
+have the bits of the down launch's combine followed by `add_zc_rms_norm`, whatever the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels import norm_triton, pdl
+
+
+@triton.jit
+def _combine_add_norm_kernel(
+    rows_ptr, experts_ptr, weights_ptr, gate_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
+    H, stride_rows, stride_g, stride_r, stride_s, stride_y, eps,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    slots = tl.arange(0, TOP_K_POW2)
+    big = 2147483647
+    # Written by the block's entry three launches back, or never (the norm weight): read before the wait.
+    ids = tl.load(experts_ptr + token * ROW_K + slots, mask=slots < TOP_K, other=big).to(tl.int32)
+    weights = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + token * stride_g).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl.sync(PDL)
+    dtype = sum_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    prev = -1
+    for _ in tl.static_range(TOP_K):  # the routed experts in ascending id (top-k ids are distinct)
+        e = tl.min(tl.where(ids > prev, ids, big), 0)
+        slot = tl.sum(tl.where(ids == e, slots, 0), 0)
+        prev = e
+        y = tl.load(rows_ptr + (token * ROW_K + slot) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.sum(tl.where(slots == slot, weights, 0.0), 0)  # the weight in that slot, exactly
+        acc += (y * weight).to(dtype).to(tl.float32)
+    gate = tl.sigmoid(g).to(dtype).to(tl.float32)
+    shared = tl.load(rows_ptr + (token * ROW_K + TOP_K) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+    x = (acc.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype)
+    r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a torch add
+    tl.store(sum_ptr + token * stride_s + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
+    tl.store(y_ptr + token * stride_y + cols, (sf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+class PendingCombine(NamedTuple):
+    """A stacked MoE block's output before its combine: what `add_zc_rms_norm` needs to finish it."""
+
+    rows: torch.Tensor  # [N * R, H] x.dtype: flat row token * R + column through its expert (column top_k: the shared expert)
+    experts: torch.Tensor  # [N, R] int32, contiguous
+    weights: torch.Tensor  # [N, top_k] x.dtype, contiguous
+    shared_gate: torch.Tensor  # [N, 1] shared-expert gate logits
+
+    def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s) * (1 + w)) with s = block output + residual [N, H], as `norm_triton.add_zc_rms_norm`
+        gives them for the block output the down launch's combine writes."""
+        n, row_k = self.experts.shape
+        hidden = self.rows.shape[1]
+        top_k = self.weights.shape[1]
+        assert residual.shape == (n, hidden), f"add_zc_rms_norm: residual {tuple(residual.shape)} for a block output of {(n, hidden)}"
+        assert triton.next_power_of_2(hidden) <= 4096, "add_zc_rms_norm: one row of at most 4096 features per program (norm_triton.ADD_NORM_WARPS)"
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+        s = torch.empty_like(residual)
+        h = torch.empty_like(residual)
+        if n:
+            _combine_add_norm_kernel[(n,)](
+                self.rows, self.experts, self.weights, self.shared_gate, residual, weight.contiguous(), s, h,
+                hidden, self.rows.stride(0), self.shared_gate.stride(0), residual.stride(0), s.stride(0), h.stride(0), eps,
+                TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=row_k, BLOCK_H=triton.next_power_of_2(hidden),
+                num_warps=norm_triton.ADD_NORM_WARPS, **pdl.launch_kwargs(),
+            )
+        return s, h
