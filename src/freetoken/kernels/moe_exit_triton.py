@@ -5,8 +5,9 @@ feature tile), but that puts two dependent round trips through L2 (the arrival c
 expert rows) at the end of the down launch, on the critical path. The block can instead hand back a
 `PendingCombine` (the expert rows and their routing); the decoder's next residual add + zero-centred
 RMSNorm (`kernels.add_zc_rms_norm`) then runs here, one program per token: it loads the routing and
-the norm weight before its PDL wait (the entry wrote the routing three launches back), then the
-token's expert rows and residual in one round trip, and computes
+the norm weight before its PDL wait (the entry wrote the routing three launches back) and orders the
+routed rows there, then loads the token's expert rows, their weights and the residual in one round
+trip, and computes
 
     y = combine(rows)            as moe_triton._combine_tile: routed products rounded to x.dtype and
                                  added in fp32 in ascending expert id, then the gated shared expert
@@ -39,22 +40,27 @@ def _combine_add_norm_kernel(
     mask = cols < H
     slots = tl.arange(0, TOP_K_POW2)
     big = 2147483647
-    # Written by the block's entry three launches back, or never (the norm weight): read before the wait.
+    # Written by the block's entry three launches back, or never (the norm weight): read before the wait,
+    # and the routed slots put in ascending expert id (top-k ids are distinct) there too, 4 bits each
+    # in one scalar: after the wait the row loads depend on no reduction, so they go out together.
     ids = tl.load(experts_ptr + token * ROW_K + slots, mask=slots < TOP_K, other=big).to(tl.int32)
-    weights = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + token * stride_g).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    order = tl.zeros((), dtype=tl.int64)
+    prev = -1
+    for k in tl.static_range(TOP_K):
+        e = tl.min(tl.where(ids > prev, ids, big), 0)
+        order |= tl.sum(tl.where(ids == e, slots, 0), 0).to(tl.int64) << (4 * k)
+        prev = e
     pdl.sync(PDL)
     dtype = sum_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    prev = -1
-    for _ in tl.static_range(TOP_K):  # the routed experts in ascending id (top-k ids are distinct)
-        e = tl.min(tl.where(ids > prev, ids, big), 0)
-        slot = tl.sum(tl.where(ids == e, slots, 0), 0)
-        prev = e
+    for k in tl.static_range(TOP_K):
+        slot = (order >> (4 * k)) & 15
         y = tl.load(rows_ptr + (token * ROW_K + slot) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
-        weight = tl.sum(tl.where(slots == slot, weights, 0.0), 0)  # the weight in that slot, exactly
-        acc += (y * weight).to(dtype).to(tl.float32)
+        weight = tl.load(weights_ptr + token * TOP_K + slot).to(tl.float32)
+        # As _combine_tile adds it: the select keeps a product of x.dtype = fp32 from fusing into the add.
+        acc += tl.where(slot < TOP_K, (y * weight).to(dtype).to(tl.float32), 0.0)
     gate = tl.sigmoid(g).to(dtype).to(tl.float32)
     shared = tl.load(rows_ptr + (token * ROW_K + TOP_K) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
     x = (acc.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype)
@@ -82,6 +88,7 @@ class PendingCombine(NamedTuple):
         top_k = self.weights.shape[1]
         assert residual.shape == (n, hidden), f"add_zc_rms_norm: residual {tuple(residual.shape)} for a block output of {(n, hidden)}"
         assert triton.next_power_of_2(hidden) <= 4096, "add_zc_rms_norm: one row of at most 4096 features per program (norm_triton.ADD_NORM_WARPS)"
+        assert row_k <= 16, "add_zc_rms_norm: a token's slots are packed 4 bits each"
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
         s = torch.empty_like(residual)
         h = torch.empty_like(residual)
