@@ -101,3 +101,34 @@ def test_linear_conv_has_the_bits_of_linear_then_conv(device, dtype):
     got = linear_triton.linear_conv(x, weight, windows, conv_weight, batch.slots)
     assert torch.equal(got, want)
     assert torch.equal(windows, want_windows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_deferred_sum_has_the_bits_of_linear_then_add_norm(device, dtype, rows):
+    """A split-K linear's partials, added by the next residual add + norm (`add_zc_rms_norm`) or by the
+    MoE entry (`add_norm_route`): the same bits as the linear's own sum followed by either. Above
+    DEFER_SUM_MAX_ROWS rows, and without a K split, the linear sums itself."""
+    from freetoken.kernels import moe_gate_triton, norm_triton
+
+    k, hidden = (1100, 64) if device == "cpu" else (4096, 2048)  # the 35B-A3B output projection on the GPU
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    weight = (torch.randn(hidden, k, generator=gen) / k**0.5).to(dtype).to(device)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    norm_w = (0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+    gates = (torch.randn(9, hidden, generator=gen) / hidden**0.5).to(dtype).to(device)
+    assert linear_triton.config_for(hidden, k, dtype).split > 1
+    pending = linear_triton.linear(x, weight, defer_sum=True)
+    assert isinstance(pending, linear_triton.PendingSplitK)
+    y = linear_triton.linear(x, weight)
+    for got, want in zip(norm_triton.add_zc_rms_norm(pending, residual, norm_w, 1e-6), norm_triton.add_zc_rms_norm(y, residual, norm_w, 1e-6)):
+        assert torch.equal(got, want)
+    got = moe_gate_triton.add_norm_route(pending, residual, norm_w, 1e-6, gates, 2, with_shared=True)
+    want = moe_gate_triton.add_norm_route(y, residual, norm_w, 1e-6, gates, 2, with_shared=True)
+    for a, b in zip(got[:5], want[:5]):
+        assert torch.equal(a, b)
+    more = torch.randn(linear_triton.DEFER_SUM_MAX_ROWS + 1, k, generator=gen).to(dtype).to(device)
+    assert isinstance(linear_triton.linear(more, weight, defer_sum=True), torch.Tensor)
+    assert isinstance(linear_triton.linear(x[:, :32].contiguous(), weight[:, :32].contiguous(), defer_sum=True), torch.Tensor)  # K = 32: no split

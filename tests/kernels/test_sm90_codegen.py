@@ -43,7 +43,7 @@ built = {
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
-                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=False, PDL=True),
+                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=False, DOT_F32=False, PDL=True),
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 cfg = lt.config_for(12352, 2048, __import__("torch").bfloat16)  # the 35B-A3B GDN input projection, its convolution in the launch
 built["linear_conv"] = ptx(lt._linear_conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "win_ptr": "*bf16", "conv_w_ptr": "*bf16", "slots_ptr": "*i32"},

@@ -27,6 +27,7 @@ from freetoken.kernels.batched import SeqBatch, seq_batch
 from freetoken.kernels.rope_ref import apply_rope
 
 if TYPE_CHECKING:
+    from freetoken.kernels.linear_triton import PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
     from freetoken.kernels.moe_triton import RowBlocks
 
@@ -56,12 +57,14 @@ def use_triton(t: torch.Tensor) -> bool:
     return MODE == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N]; row-invariant."""
+def linear(x: torch.Tensor, weight: torch.Tensor, defer_sum: bool = False) -> "torch.Tensor | PendingSplitK":
+    """x [M, K] @ weight [N, K]^T -> [M, N]; row-invariant. defer_sum: on the Triton path a split-K
+    launch at decode sizes may return its slices' partials, which only `add_zc_rms_norm` and
+    `moe_add_norm_route` take (they add them, with the same bits)."""
     if use_triton(x):
         from freetoken.kernels import linear_triton
 
-        return linear_triton.linear(x, weight)
+        return linear_triton.linear(x, weight, defer_sum=defer_sum)
     return linear_ref.linear(x, weight)
 
 
@@ -95,9 +98,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return norm_ref.rms_norm(x, weight, eps)
 
 
-def add_zc_rms_norm(x: "torch.Tensor | PendingCombine", residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_zc_rms_norm(x: "torch.Tensor | PendingCombine | PendingSplitK", residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, norm(s) * (1 + w)) with s = x + residual; x, residual [N, D]. x may be a MoE block's output
-    whose combine was deferred (`moe_experts_with_shared`): then this launch combines it too."""
+    whose combine was deferred (`moe_experts_with_shared`) or a linear's whose slices' sum was
+    (`linear`): then this launch finishes it too."""
     if not isinstance(x, torch.Tensor):
         return x.add_zc_rms_norm(residual, weight, eps)
     if use_triton(x):
@@ -208,8 +212,8 @@ def moe_add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: tor
     """A MoE block's entry: s = x + residual, h = zc_rms_norm(s), the merged gates [E + 1, H] (router rows,
     then the shared-expert gate) applied to h, and the routing of the router logits ->
     (s, h, experts, weights, shared-gate logits [N, 1], blocks), as add_zc_rms_norm, linear and
-    moe_route give them; one launch on the Triton path."""
-    if use_triton(x):
+    moe_route give them; one launch on the Triton path. x may be a linear's deferred split-K sum."""
+    if not isinstance(x, torch.Tensor) or use_triton(x):
         from freetoken.kernels import moe_gate_triton
 
         return moe_gate_triton.add_norm_route(x, residual, norm_weight, eps, gates, top_k, with_shared, first, count)

@@ -14,11 +14,17 @@ sizes above BLOCK_M the weight tile is re-read from L2, not HBM.
 
 Calls with more than MAX_ROWS_PER_LAUNCH rows are cut into launches of that many rows (same
 kernel, same configuration: the cut changes no bits), which bounds the workspace.
+
+At decode sizes a caller whose output feeds a residual add + norm may leave the slices' sum to that
+launch (`defer_sum`): the programs store their partials [SPLIT, M, N] and end, without the arrival
+counter and the reload of the partials, two dependent round trips at the end of the launch; the
+norm's launch adds them in slice order as it loads the row (`PendingSplitK`, norm_triton.load_row).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,6 +40,23 @@ NUM_WARPS = 4  # warps a program (a setting for bench/variants.py: decode keeps 
 # A Gated DeltaNet decode step runs its convolution in the input projection's launch (`linear_conv`),
 # not a launch of its own.
 CONV_IN_PROJECTION = True
+# Up to this many rows a split-K linear asked to (`linear(defer_sum=True)`) leaves its slices' sum to
+# the next residual add + norm, which loads the row anyway (`PendingSplitK`); 0: never.
+DEFER_SUM_MAX_ROWS = 64
+
+
+class PendingSplitK(NamedTuple):
+    """A split-K linear's output before its slices are added: the consumer adds them in slice order
+    in fp32 and rounds to `dtype`, as the last program of a tile would (the same bits)."""
+
+    partials: torch.Tensor  # [SPLIT, M, N] fp32
+    dtype: torch.dtype
+
+    def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s) * (1 + w)) with s = this output + residual: `norm_triton.add_zc_rms_norm`, which adds the slices."""
+        from freetoken.kernels import norm_triton
+
+        return norm_triton.add_zc_rms_norm(self, residual, weight, eps)
 
 
 @dataclass(frozen=True)
@@ -68,7 +91,7 @@ def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -85,6 +108,8 @@ def _linear_kernel(
     out_mask = row_ok[None, :] & col_ok[:, None]
     if SPLIT == 1:
         tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    elif DEFER:  # the partial of slice pid_s, [SPLIT, M, N]: the consumer adds the slices
+        tl.store(part_ptr + (pid_s * M + rows[None, :].to(tl.int64)) * N + cols[:, None], acc, mask=out_mask)
     else:
         num_m_tiles = tl.cdiv(M, BLOCK_M)
         tile = pid_n * num_m_tiles + pid_m
@@ -221,18 +246,31 @@ def linear_conv(
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation."""
+def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None, defer_sum: bool = False) -> torch.Tensor | PendingSplitK:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation. defer_sum: with a K split and
+    at most DEFER_SUM_MAX_ROWS rows, the slices' partials instead (only `add_zc_rms_norm` and the MoE
+    entry take them)."""
     assert x.dtype == weight.dtype, f"linear: x is {x.dtype}, weight is {weight.dtype}"
     m, k = x.shape
     n = weight.shape[0]
+    cfg = cfg or config_for(n, k, weight.dtype)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
+    if defer_sum and cfg.split > 1 and 0 < m <= DEFER_SUM_MAX_ROWS:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        weight = weight if weight.stride(1) == 1 else weight.contiguous()
+        partials = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
+        _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)](
+            x, weight, partials, partials, partials, m, n, k, k_per_split,
+            x.stride(0), weight.stride(0), n,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=True, DOT_F32=INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
+        )
+        return PendingSplitK(partials, x.dtype)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    cfg = cfg or config_for(n, k, weight.dtype)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
@@ -240,7 +278,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DOT_F32=INTERPRET,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=False, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return y

@@ -9,6 +9,9 @@ token's E + 1 gate logits; the program that arrives last for the token (a per-to
 the split-K linear) reads all of them back and routes the token (`moe_triton._route_token`, so the
 experts, weights and direct row blocks are those of `route`).
 
+x may also be the mixer's output projection with its split-K sum deferred (linear_triton.PendingSplitK):
+each program adds the slices as it loads the row (norm_triton.load_row), with the linear's bits.
+
 Precision follows the unfused ops: s is rounded to x.dtype like a torch add, h exactly as
 `_add_zc_rms_norm_kernel` computes it (same block, same warps: norm_triton.ADD_NORM_WARPS, so the same reduction), and each logit
 is the fp32 dot of h with its weight row, rounded to x.dtype as the linear's output is (its summation
@@ -37,8 +40,8 @@ def _add_norm_route_kernel(
     x_ptr, r_ptr, norm_w_ptr, s_ptr, h_ptr,
     gates_ptr, logits_ptr, count_ptr,
     experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
-    H, G, E, eps, stride_x, stride_r, stride_s, stride_h, stride_g, stride_l, T, first, C,
-    BLOCK_H: tl.constexpr, GATE_ROWS: tl.constexpr,
+    H, G, E, eps, stride_x, stride_xs, stride_r, stride_s, stride_h, stride_g, stride_l, T, first, C,
+    X_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, GATE_ROWS: tl.constexpr,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
     BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -51,9 +54,9 @@ def _add_norm_route_kernel(
     gw = tl.load(gates_ptr + rows[:, None] * stride_g + cols[None, :], mask=(rows[:, None] < G) & mask[None, :], other=0.0)
     w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl.sync(PDL)
-    x = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
+    xf = norm_triton.load_row(x_ptr, token, cols, mask, stride_x, stride_xs, X_SPLIT, s_ptr.dtype.element_ty)
     r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
-    s = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)  # rounded like a torch add
+    s = (xf + r.to(tl.float32)).to(s_ptr.dtype.element_ty)  # rounded like a torch add
     sf = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
     h = (sf * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty)
@@ -81,7 +84,7 @@ def _token_counters(device: torch.device) -> torch.Tensor:
 
 
 def add_norm_route(
-    x: torch.Tensor,  # [N, H] the mixer's output
+    x,  # [N, H] the mixer's output (or its deferred split-K partials, linear_triton.PendingSplitK)
     residual: torch.Tensor,  # [N, H]
     norm_weight: torch.Tensor,  # [H] zero-centred (post-attention) norm
     eps: float,
@@ -94,25 +97,26 @@ def add_norm_route(
     """-> (s = x + residual, h = norm(s) * (1 + w), experts [N, top_k (+ 1)] int32, weights [N, top_k],
     shared-gate logits [N, 1], row blocks): `add_zc_rms_norm`, the gates linear and `moe_triton.route`
     (its arguments, its results) in one launch."""
-    n, hidden = x.shape
+    n, hidden = residual.shape
     num_gates = gates.shape[0]
     num_experts = num_gates - 1
     assert gates.shape[1] == hidden and gates.stride(1) == 1, f"add_norm_route: gates {tuple(gates.shape)} for hidden {hidden}"
     assert triton.next_power_of_2(hidden) <= 4096, "add_norm_route: one row of at most 4096 features per program (norm_triton.ADD_NORM_WARPS)"
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x, stride_x, stride_xs, x_split = norm_triton.row_source(x)
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    out = moe_triton.route_outputs(n, num_experts, top_k, x.dtype, with_shared, first, count, x.device)
-    s, h = torch.empty_like(x), torch.empty_like(x)
-    logits = torch.empty((n, num_gates), dtype=x.dtype, device=x.device)
-    counters = _token_counters(x.device)
+    dtype, device = residual.dtype, residual.device
+    out = moe_triton.route_outputs(n, num_experts, top_k, dtype, with_shared, first, count, device)
+    s, h = torch.empty_like(residual), torch.empty_like(residual)
+    logits = torch.empty((n, num_gates), dtype=dtype, device=device)
+    counters = _token_counters(device)
     for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):  # direct blocks (T <= DIRECT_MAX_ROWS) take one launch
         tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
         _add_norm_route_kernel[(tokens, triton.cdiv(num_gates, GATE_ROWS))](
-            x[t0:], residual[t0:], norm_weight, s[t0:], h[t0:],
+            x[t0:] if not x_split else x[:, t0:], residual[t0:], norm_weight, s[t0:], h[t0:],
             gates, logits[t0:], counters,
             out.experts[t0:], out.weights[t0:], *out.block_ptrs,
-            hidden, num_gates, num_experts, eps, x.stride(0), residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
+            hidden, num_gates, num_experts, eps, stride_x, stride_xs, residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
             out.rows, first, out.count,
-            BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
+            X_SPLIT=x_split, BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
         )
     return s, h, out.experts, out.weights, logits[:, num_experts:], out.blocks

@@ -1,5 +1,8 @@
 """RMSNorm variants (Triton): zero-centred, plain, gated and residual-add + zero-centred; one program per row.
 
+The residual-add form (and the MoE entry, moe_gate_triton) also takes a split-K linear's deferred
+output (linear_triton.PendingSplitK) and adds its slices as it loads the row (`load_row`).
+
 Each program normalises one row of D elements with a single fp32 reduction over a fixed
 BLOCK_D = next_pow2(D) block, so a row's bits never depend on how many rows the launch has. The
 casts follow `norm_ref`: the zero-centred form multiplies by (1 + w) in fp32 and casts once; the
@@ -96,18 +99,45 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 @triton.jit
+def load_row(x_ptr, row, cols, mask, stride_x, stride_xs, X_SPLIT: tl.constexpr, dtype: tl.constexpr):
+    """Row `row` of x at `cols` in fp32: x's own values, or (X_SPLIT slices of a deferred split-K linear,
+    linear_triton.PendingSplitK) the slices added in order in fp32 and rounded to dtype, as the
+    linear's last program rounds them."""
+    if X_SPLIT == 0:
+        xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, X_SPLIT):
+            xf += tl.load(x_ptr + s * stride_xs + row * stride_x + cols, mask=mask, other=0.0)
+        xf = xf.to(dtype).to(tl.float32)
+    return xf
+
+
+def row_source(x) -> tuple[torch.Tensor, int, int, int]:
+    """(pointer tensor, row stride, slice stride, X_SPLIT) of a row-kernel input: a tensor [N, D], or a
+    deferred split-K linear's partials [SPLIT, N, D]."""
+    from freetoken.kernels.linear_triton import PendingSplitK
+
+    if isinstance(x, PendingSplitK):
+        split, n, d = x.partials.shape
+        return x.partials, d, n * d, split
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x, x.stride(0), 0, 0
+
+
+@triton.jit
 def _add_zc_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
-    D, stride_x, stride_r, stride_s, stride_y, eps,
-    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    D, stride_x, stride_xs, stride_r, stride_s, stride_y, eps,
+    X_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    xf = load_row(x_ptr, row, cols, mask, stride_x, stride_xs, X_SPLIT, sum_ptr.dtype.element_ty)
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    s = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)  # rounded like a torch add
+    s = (xf + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)  # rounded like a torch add
     tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
     sf = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
@@ -115,17 +145,18 @@ def _add_zc_rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + cols, (sf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, norm(s) * (1 + w)) with s = x + residual in x.dtype; x, residual [N, D]."""
-    n, d = x.shape
-    x = x if x.stride(-1) == 1 else x.contiguous()
+def add_zc_rms_norm(x, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s) * (1 + w)) with s = x + residual in residual.dtype; x [N, D] (or a deferred split-K
+    linear's output, linear_triton.PendingSplitK), residual [N, D]."""
+    n, d = residual.shape
+    x, stride_x, stride_xs, x_split = row_source(x)
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    s = torch.empty_like(x)
-    y = torch.empty_like(x)
+    s = torch.empty_like(residual)
+    y = torch.empty_like(residual)
     if n:
         _add_zc_rms_norm_kernel[(n,)](
-            x, residual, weight.contiguous(), s, y, d, x.stride(0), residual.stride(0), s.stride(0), y.stride(0), eps,
-            BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, ADD_NORM_WARPS), **pdl.launch_kwargs(),
+            x, residual, weight.contiguous(), s, y, d, stride_x, stride_xs, residual.stride(0), s.stride(0), y.stride(0), eps,
+            X_SPLIT=x_split, BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, ADD_NORM_WARPS), **pdl.launch_kwargs(),
         )
     return s, y
 

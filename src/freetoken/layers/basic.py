@@ -78,13 +78,14 @@ class MLP(nn.Module):
 
             self.gate_up_weight = merge_linears([self.gate_proj, self.up_proj])
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp(norm(x + residual)), x + residual); [N, H] each. The decoder layer's entry to every MLP
-        block (defer_combine: the MoE block's option; a dense MLP has nothing to defer)."""
+        block. defer_output: the mlp output may be down's split-K partials, for the caller's next
+        `kernels.add_zc_rms_norm` only."""
         residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
-        return self(h), residual
+        return self(h, defer_sum=defer_output), residual
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
         if self.gate_up_weight is not None:
-            return self.down_proj(kernels.silu_mul(kernels.linear(x, self.gate_up_weight)))
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(kernels.silu_mul(kernels.linear(x, self.gate_up_weight)), defer_sum=defer_sum)
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x), defer_sum=defer_sum)

@@ -187,7 +187,8 @@ class GatedDeltaNet(nn.Module):
             out[rows] = tail[rows]
         return out.to(out_dtype)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, H] -> [N, H]
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
+        """defer_sum: out_proj's output may be its split-K partials, for the decoder's next add + norm."""
         n = x.shape[0]
         conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
@@ -197,7 +198,7 @@ class GatedDeltaNet(nn.Module):
         if fused is not None:  # a decode step: the convolution ran in the projection's launch
             conv_out, z, b, a = fused
             core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
-            return self.out_proj(self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim))
+            return self.out_proj(self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim), defer_sum=defer_sum)
         mixed_qkv, z, b, a = self._project(x)
         if ctx.mode is ForwardMode.VERIFY:
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
@@ -212,7 +213,7 @@ class GatedDeltaNet(nn.Module):
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch)
             core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
-        return self.out_proj(y)
+        return self.out_proj(y, defer_sum=defer_sum)
 
     def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
         """Fold the replay batch's rows (each sequence's first accepted verify rows) into the live state."""

@@ -17,7 +17,7 @@ the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode 
 (N * R <= 32 routed rows, R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) it also
 writes the expert GEMMs' row blocks (one row per block), and up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
 tokens the down launch also combines, so with the stacked shared expert the add, norm and block are
-three launches (that one, gate_up, down); in the decoder trunk (`defer_combine`) the combine moves
+three launches (that one, gate_up, down); in the decoder trunk (`defer_output`) the combine moves
 instead into the next residual add + norm's launch (kernels/moe_exit_triton.py), and with a dense shared MLP six (and the MLP's gate_up
 linear, silu_mul and down linear). Above those sizes, the rows are grouped by expert first (align)
 and the combine has its own launch: one launch more each. A row's result has the same bits either way.
@@ -88,19 +88,19 @@ class SparseMoE(nn.Module):
         routing = kernels.moe_route(router, self.top_k, x.dtype, **self._routed(stacked))
         return self._experts(x, *routing, shared_gate, stacked)
 
-    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(block(norm(x + residual)), x + residual): on the Triton path with merged gates the add, the
         norm, the gates and the routing are one launch (`kernels.moe_add_norm_route`); [N, H] each.
-        defer_combine: the block output may come back as a `PendingCombine` for the caller's next
+        defer_output: the block output may come back as a `PendingCombine` for the caller's next
         `kernels.add_zc_rms_norm`, which then combines it (stacked shared expert, decode sizes)."""
-        if self.gates_weight is None or not kernels.use_triton(x) or not kernels.FUSE_MOE_ENTRY:
+        if self.gates_weight is None or not kernels.use_triton(residual) or not kernels.FUSE_MOE_ENTRY:
             residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
             return self(h), residual
         stacked = self.stacked is not None
         residual, h, experts, weights, shared_gate, blocks = kernels.moe_add_norm_route(
             x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, **self._routed(stacked),
         )
-        return self._experts(h, experts, weights, blocks, shared_gate, stacked, defer_combine), residual
+        return self._experts(h, experts, weights, blocks, shared_gate, stacked, defer_output), residual
 
     def _routed(self, stacked: bool) -> dict:
         """Routing's with_shared / first / count: the stacked shared expert as one more expert, else this rank's experts."""

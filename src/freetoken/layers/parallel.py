@@ -53,9 +53,13 @@ class RowParallelLinear(Linear):
         self.parallel, self.input_slice = parallel, input_slice
         self.shard_specs = {"weight": ShardSpec(1, ranges)} if parallel.is_parallel else {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/W] (or [N, in]) -> [N, out]
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor:  # [N, in/W] (or [N, in]) -> [N, out]
+        """defer_sum (one rank only): the output may be a split-K linear's partials (`kernels.linear`),
+        for a caller that hands it to the next residual add + norm."""
         if self.input_slice is not None:
             x = x[:, self.input_slice]
+        if not self.parallel.is_parallel:
+            return kernels.linear(x, self.weight, defer_sum=defer_sum)
         return self.parallel.all_reduce(kernels.linear(x, self.weight))
 
 

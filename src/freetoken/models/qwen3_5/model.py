@@ -53,23 +53,25 @@ class DecoderLayer(nn.Module):
         out, residual = self.forward_residual(x, None, ctx)
         return residual + out
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, defer_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, defer_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer with its residual adds fused into the norms that follow them.
 
         The layer's input is x + residual (x alone when residual is None); returns (mlp output,
-        residual stream before the MLP's add), whose sum is the layer's output. defer_combine: the
-        mlp output may be a MoE block's `PendingCombine`, for the caller's `add_norm` only."""
+        residual stream before the MLP's add), whose sum is the layer's output. defer_output: the
+        mlp output may be left unfinished (a MoE block's `PendingCombine`, a dense MLP's down
+        partials `PendingSplitK`), for the caller's `add_norm` only."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = add_norm(x, residual, self.input_layernorm)
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        # the MoE block fuses the add + norm into its routing (and may leave its combine to the next add + norm)
-        return self.mlp.add_norm_forward(mixer(h, ctx), residual, self.post_attention_layernorm, defer_combine)
+        # The mixer may leave its output projection's split-K sum to the add + norm that follows it; the
+        # MoE block fuses that add + norm into its routing (and may leave its combine to the next one).
+        return self.mlp.add_norm_forward(mixer(h, ctx, defer_sum=True), residual, self.post_attention_layernorm, defer_output)
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, norm(x + residual)) in one pass; [N, H] each (x may be a deferred MoE combine)."""
+    """(x + residual, norm(x + residual)) in one pass; [N, H] each (x may be a layer's unfinished output: kernels.add_zc_rms_norm)."""
     from freetoken import kernels
 
     return kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
@@ -139,7 +141,7 @@ class Qwen35ForCausalLM(nn.Module):
         """Run the rows of ctx through the trunk -> post-norm hidden [N, H]."""
         x, residual = self.embed(ctx.input_ids), None
         for layer in self.model.layers:
-            x, residual = layer.forward_residual(x, residual, ctx, defer_combine=True)
+            x, residual = layer.forward_residual(x, residual, ctx, defer_output=True)
         return add_norm(x, residual, self.model.norm)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
