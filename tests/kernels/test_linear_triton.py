@@ -125,8 +125,8 @@ def test_deferred_sum_has_the_bits_of_linear_then_add_norm(device, dtype, rows):
     y = linear_triton.linear(x, weight)
     for got, want in zip(norm_triton.add_zc_rms_norm(pending, residual, norm_w, 1e-6), norm_triton.add_zc_rms_norm(y, residual, norm_w, 1e-6)):
         assert torch.equal(got, want)
-    got = moe_gate_triton.add_norm_route(pending, residual, norm_w, 1e-6, gates, 2, with_shared=True)
-    want = moe_gate_triton.add_norm_route(y, residual, norm_w, 1e-6, gates, 2, with_shared=True)
+    got = moe_gate_triton.add_norm_route(pending, residual, norm_w, 1e-6, gates, 2)  # no shared expert: the entry routes
+    want = moe_gate_triton.add_norm_route(y, residual, norm_w, 1e-6, gates, 2)
     for a, b in zip(got[:5], want[:5]):
         assert torch.equal(a, b)
     more = torch.randn(linear_triton.DEFER_SUM_MAX_ROWS + 1, k, generator=gen).to(dtype).to(device)

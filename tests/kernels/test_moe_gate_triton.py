@@ -1,4 +1,5 @@
-"""The fused MoE entry (`moe_gate_triton.add_norm_route`) vs the unfused ops it replaces.
+"""The fused MoE entry (`moe_gate_triton.add_norm_route`) vs the unfused ops it replaces, and the
+routing left to the expert GEMMs (`moe_triton.GemmRoute`) vs the entry's own.
 
 s and h have the bits of the Triton `add_zc_rms_norm`; the shared-gate logit is the torch dot within
 rounding; experts, weights and direct row blocks are those of `moe_triton.route` on the torch logits
@@ -40,7 +41,8 @@ def _spaced_gates(h, num_experts, seed):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_shared", [False, True])
-def test_matches_the_unfused_ops(device, dtype, with_shared):
+def test_matches_the_unfused_ops(device, dtype, with_shared, monkeypatch):
+    monkeypatch.setattr(moe_gate_triton, "ROUTE_IN_GEMMS", False)  # the entry routes (routing in the GEMMs: below)
     hidden, num_experts, top_k = 64, 12, 3
     x, residual, norm_w = _inputs(1, hidden, dtype, device, seed=1)
     want_s, want_h = norm_triton.add_zc_rms_norm(x, residual, norm_w, EPS)
@@ -67,8 +69,34 @@ def test_a_token_has_the_same_bits_alone_in_a_batch_and_across_launches(device, 
     cut = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
     for got, want in zip(cut[:5], batch[:5]):
         assert torch.equal(got, want)
+    monkeypatch.setattr(moe_gate_triton, "ROUTE_IN_GEMMS", False)  # one token is direct: the entry routes
     for t in range(n):
         alone = moe_gate_triton.add_norm_route(x[t : t + 1], residual[t : t + 1], norm_w, EPS, gates, top_k, with_shared=True)
         for got, want in zip(alone[:5], batch[:5]):
             assert torch.equal(got, want[t : t + 1]), f"token {t}"
     assert not moe_gate_triton._token_counters(x.device).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, monkeypatch):
+    """In the direct layout with the shared expert stacked the entry leaves the routing to gate_up and
+    down (`GemmRoute`): the same experts, weights and block output bits as the entry's routing, with
+    the combine in the down launch and deferred to the next add + norm."""
+    from tests.kernels.test_moe_triton import shape, stacked_for
+
+    hidden, num_experts, top_k, _ = shape(device)
+    gate_up, down = stacked_for(device, torch.bfloat16)
+    x, residual, norm_w = _inputs(tokens, hidden, torch.bfloat16, device, seed=tokens)
+    gates = (torch.randn(num_experts + 1, hidden, generator=torch.Generator().manual_seed(5)) / 8).to(torch.bfloat16).to(device)
+    results = {}
+    for route_in_gemms in (True, False):
+        monkeypatch.setattr(moe_gate_triton, "ROUTE_IN_GEMMS", route_in_gemms)
+        s, h, experts, weights, shared_gate, blocks = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
+        assert isinstance(blocks, moe_triton.GemmRoute) == route_in_gemms
+        y = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks)
+        pending = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks, defer_combine=True)
+        exit_s, exit_h = pending.add_zc_rms_norm(s, norm_w, EPS)
+        results[route_in_gemms] = (y, experts.clone(), weights.clone(), exit_s, exit_h)
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)

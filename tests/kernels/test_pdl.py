@@ -37,7 +37,7 @@ def test_kernels_are_found():
 
 EARLY_READS = {  # kernel -> the loads it may issue before its wait
     "moe_gate_triton._add_norm_route_kernel": ["tl.load(gates_ptr", "tl.load(norm_w_ptr"],  # weights
-    "moe_triton._down_kernel": ["tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"],  # written two launches back
+    "moe_triton._down_kernel": ["tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"],  # written two launches back (or the logits, routed there)
     "moe_exit_triton._combine_add_norm_kernel": ["tl.load(experts_ptr", "tl.load(gate_ptr", "tl.load(w_ptr"],  # three back; weights
     "attention_triton._partition_kernel": ["tl.load(group_ptr", "tl.load(group_ptr", "tl.load(ctx_len_ptr", "tl.load(ctx_len_ptr", "tl.load(row_seq_ptr", "tl.load(table_ptr"],  # host copies
     "attention_triton._merge_kernel": ["tl.load(ctx_len_ptr"],
@@ -72,7 +72,7 @@ pointers = ("x_ptr", "r_ptr", "norm_w_ptr", "s_ptr", "h_ptr", "gates_ptr", "logi
 signature = {name: "*i32" if name in ("count_ptr", "experts_ptr", "sorted_ids_ptr", "block_expert_ptr") else "*bf16" for name in pointers}
 signature |= {name: "i32" for name in ("H", "G", "E")} | {"eps": "fp32"}
 signature |= {name: "i32" for name in ("stride_x", "stride_xs", "stride_r", "stride_s", "stride_h", "stride_g", "stride_l", "T", "first", "C")}
-constants = {"X_SPLIT": 0, "BLOCK_H": 2048, "GATE_ROWS": moe_gate_triton.GATE_ROWS, "TOP_K": 8, "TOP_K_POW2": 8, "BLOCK_E": 256, "ROW_K": 9, "BLOCK_M": 16, "DIRECT": True, "PDL": True}
+constants = {"X_SPLIT": 0, "BLOCK_H": 2048, "GATE_ROWS": moe_gate_triton.GATE_ROWS, "TOP_K": 8, "TOP_K_POW2": 8, "BLOCK_E": 256, "ROW_K": 9, "BLOCK_M": 16, "DIRECT": True, "ROUTE": True, "PDL": True}
 signature |= {name: "constexpr" for name in constants}
 print(ptx(moe_gate_triton._add_norm_route_kernel, signature, constants, {"num_warps": 4, "launch_pdl": True}))
 """

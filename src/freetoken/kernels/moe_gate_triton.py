@@ -31,6 +31,9 @@ from freetoken.kernels import moe_triton, norm_triton, pdl
 GATE_ROWS = 4  # gate logits per program: 65 programs per token at E = 256. H200, 35B-A3B decode step in one
 # run (bench/variants.py): 2.6655 ms at 4 rows, 2.6786 at 2, 2.6823 at 8, 2.8909 at 16 (logs/variants-gate-rows-35b-a26586a.jsonl)
 MAX_TOKENS_PER_LAUNCH = 1024  # bounds the per-token counters; longer calls are cut (no bits change)
+# In the direct layout with the shared expert stacked, leave the routing to the expert GEMMs
+# (moe_triton.GemmRoute): the entry then ends once its logits are stored.
+ROUTE_IN_GEMMS = True
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -43,7 +46,7 @@ def _add_norm_route_kernel(
     H, G, E, eps, stride_x, stride_xs, stride_r, stride_s, stride_h, stride_g, stride_l, T, first, C,
     X_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, GATE_ROWS: tl.constexpr,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pid_g = tl.program_id(1)
@@ -65,6 +68,8 @@ def _add_norm_route_kernel(
         tl.store(h_ptr + token * stride_h + cols, h, mask=mask)
     logits = tl.sum(gw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     tl.store(logits_ptr + token * stride_l + rows, logits.to(logits_ptr.dtype.element_ty), mask=rows < G)
+    if not ROUTE:  # the expert GEMMs route (moe_triton.GemmRoute)
+        return
     tl.debug_barrier()  # every thread's logits are written before the counter moves
     arrived = tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:  # the token's last program: all its logits are in
@@ -93,10 +98,12 @@ def add_norm_route(
     with_shared: bool = False,
     first: int = 0,
     count: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, moe_triton.RowBlocks | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, moe_triton.RowBlocks | moe_triton.GemmRoute | None]:
     """-> (s = x + residual, h = norm(s) * (1 + w), experts [N, top_k (+ 1)] int32, weights [N, top_k],
     shared-gate logits [N, 1], row blocks): `add_zc_rms_norm`, the gates linear and `moe_triton.route`
-    (its arguments, its results) in one launch."""
+    (its arguments, its results) in one launch. With ROUTE_IN_GEMMS, in the direct layout with the
+    shared expert stacked, the blocks are a `moe_triton.GemmRoute` instead: experts and weights are
+    written by the gate_up launch that takes it."""
     n, hidden = residual.shape
     num_gates = gates.shape[0]
     num_experts = num_gates - 1
@@ -109,6 +116,7 @@ def add_norm_route(
     s, h = torch.empty_like(residual), torch.empty_like(residual)
     logits = torch.empty((n, num_gates), dtype=dtype, device=device)
     counters = _token_counters(device)
+    gemm_route = ROUTE_IN_GEMMS and out.blocks is not None and with_shared and first == 0 and out.count == num_gates
     for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):  # direct blocks (T <= DIRECT_MAX_ROWS) take one launch
         tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
         _add_norm_route_kernel[(tokens, triton.cdiv(num_gates, GATE_ROWS))](
@@ -117,6 +125,8 @@ def add_norm_route(
             out.experts[t0:], out.weights[t0:], *out.block_ptrs,
             hidden, num_gates, num_experts, eps, stride_x, stride_xs, residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
             out.rows, first, out.count,
-            X_SPLIT=x_split, BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
+            X_SPLIT=x_split, BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, ROUTE=not gemm_route,
+            num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
         )
-    return s, h, out.experts, out.weights, logits[:, num_experts:], out.blocks
+    blocks = moe_triton.GemmRoute(logits, num_experts, out.rows, first, out.count) if gemm_route else out.blocks
+    return s, h, out.experts, out.weights, logits[:, num_experts:], blocks

@@ -116,12 +116,9 @@ def _direct_blocks(sorted_ids_ptr, block_expert_ptr, rows, experts, mask, T, fir
 
 
 @triton.jit
-def _route_token(
-    logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
-):
-    """Route one token from its fp32 router logits [BLOCK_E] (-inf past E): softmax, top_k, renormalised
-    weights, and its direct row blocks when DIRECT (module docstring, route)."""
+def _top_k(logits, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's fp32 router logits [BLOCK_E] (-inf past E) -> (ids [TOP_K_POW2] int32, weights
+    [TOP_K_POW2] fp32 renormalised; slots past TOP_K 0): softmax, then top_k by iterative max."""
     cols = tl.arange(0, BLOCK_E)
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
@@ -139,11 +136,29 @@ def _route_token(
         ids = tl.where(slots == k, e, ids)
         w = tl.where(slots == k, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
         key = tl.where(cols == e, -1, key)
-    w = w / tl.sum(w, 0)
+    return ids, w / tl.sum(w, 0)
+
+
+@triton.jit
+def _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr):
+    """A token's experts row (the shared expert E in column TOP_K when ROW_K > TOP_K) and weights row."""
+    slots = tl.arange(0, TOP_K_POW2)
     tl.store(experts_ptr + token * ROW_K + slots, ids, mask=slots < TOP_K)
     if ROW_K > TOP_K:  # the shared expert, held as expert E
         tl.store(experts_ptr + token * ROW_K + TOP_K, E)
     tl.store(weights_ptr + token * TOP_K + slots, w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+
+
+@triton.jit
+def _route_token(
+    logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """Route one token from its fp32 router logits [BLOCK_E] (-inf past E): softmax, top_k, renormalised
+    weights, and its direct row blocks when DIRECT (module docstring, route)."""
+    ids, w = _top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
+    _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K, TOP_K_POW2, ROW_K)
+    slots = tl.arange(0, TOP_K_POW2)
     if DIRECT:  # this token's row blocks of the direct layout
         _direct_blocks(sorted_ids_ptr, block_expert_ptr, token * ROW_K + slots, ids, slots < TOP_K, T, first, C, BLOCK_M)
         if ROW_K > TOP_K:
@@ -216,21 +231,43 @@ def _align_kernel(
         tl.store(block_expert_ptr + b, C + tl.zeros_like(b), mask=b < num_blocks)
 
 
+@triton.jit
+def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr):
+    """Flat row `row` of the direct layout routed from its token's router logits (`GemmRoute`) ->
+    (token, its expert: the slot's pick of `_top_k`, E for the shared expert's slot, ids, weights)."""
+    token = row // ROW_K
+    slot = row % ROW_K
+    cols = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token.to(tl.int64) * stride_l + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+    ids, w = _top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
+    e = tl.sum(tl.where(tl.arange(0, TOP_K_POW2) == slot, ids, 0), 0)
+    return token, tl.where(slot < TOP_K, e, E), ids, w
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
-    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    # routing here (ROUTE_HERE, `GemmRoute`): the router logits, and the routing this launch writes
+    logits_ptr, experts_ptr, weights_ptr, stride_l, E,
+    ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= C:
-        return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(sorted_ids_ptr + rows)
+    if ROUTE_HERE:  # block pid_m holds flat row pid_m alone (direct layout, every expert held)
+        token, e, route_ids, route_w = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K)
+        if (pid_n == 0) & (pid_m % ROW_K == 0):  # the token's routing, for the combine
+            _store_routing(experts_ptr, weights_ptr, token, route_ids, route_w, E, TOP_K, TOP_K_POW2, ROW_K)
+        ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, T)
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= C:
+            return
+        ids = tl.load(sorted_ids_ptr + rows)
     valid = ids < T
     tokens = (ids // ROW_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -266,15 +303,21 @@ def _down_kernel(
     # the combine, when COMBINE: as _combine_kernel's, plus the per-feature-tile arrival counters
     experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr, counter_ptr,
     N, first, stride_sm, stride_gm, stride_ym,
+    logits_ptr, stride_l, E,  # routing here (ROUTE_HERE, `GemmRoute`)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-    PDL: tl.constexpr,
+    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)  # the row blocks, written before gate_up: read before the wait (pdl.py)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ids = tl.load(sorted_ids_ptr + rows)
+    # Written before gate_up (the row blocks, or the router logits): read, and routed, before the wait (pdl.py).
+    if ROUTE_HERE:
+        e = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K)[1]
+        ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, T)
+    else:
+        e = tl.load(block_expert_ptr + pid_m)
+        ids = tl.load(sorted_ids_ptr + rows)
     pdl.sync(PDL)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if e < C:
@@ -365,6 +408,19 @@ class RowBlocks(NamedTuple):
     rows: int  # T, the routed rows they cover
     first: int  # the held experts are [first, first + count)
     count: int
+
+
+class GemmRoute(NamedTuple):
+    """Routing left to the expert GEMMs (direct layout, every expert held, the shared expert stacked):
+    each gate_up and down program routes its own row from its token's router logits (`_top_k`, as
+    route does), and gate_up's first program of a token writes the token's experts and weights for the
+    combine. Takes the routing's arrival counter and second round trip off the MoE entry."""
+
+    logits: torch.Tensor  # [N, E + 1] router logits, then the shared gate's (the entry's), unit column stride
+    num_experts: int  # E
+    rows: int  # T = N * (top_k + 1)
+    first: int  # 0
+    count: int  # E + 1
 
 
 def is_direct(rows: int) -> bool:
@@ -491,7 +547,7 @@ def _expert_rows(
     x: torch.Tensor,  # [N, H]
     gate_up: torch.Tensor,  # [C, 2I, H] contiguous
     down: torch.Tensor,  # [C, H, I] contiguous
-    blocks: RowBlocks | None,  # these experts' row blocks (route's, or forced by a test); None: made here
+    blocks: RowBlocks | GemmRoute | None,  # these experts' row blocks (route's, or forced by a test), or routing left to the GEMMs; None: blocks made here
     out: torch.Tensor,  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
     combine: _Combine,
     defer: bool = False,
@@ -509,18 +565,26 @@ def _expert_rows(
     if blocks is None:
         blocks = row_blocks(experts, first, count)
     assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
-    sorted_ids, block_expert = blocks.sorted_ids, blocks.block_expert
-    nb = block_expert.shape[0]
+    ptrs, sizes, strides, meta = combine.launch_args()
+    route_here = isinstance(blocks, GemmRoute)
+    if route_here:
+        assert is_direct(rows) and first == 0 and count == blocks.num_experts + 1 and row_k == meta["TOP_K"] + 1, "GemmRoute: direct, stacked, all experts"
+        nb, logits, num_experts = rows, blocks.logits, blocks.num_experts
+        sorted_ids = block_expert = logits  # unread stand-ins
+    else:
+        sorted_ids, block_expert = blocks.sorted_ids, blocks.block_expert
+        nb, logits, num_experts = block_expert.shape[0], x, count  # unread stand-ins
+    routing = dict(TOP_K=meta["TOP_K"], TOP_K_POW2=meta["TOP_K_POW2"], BLOCK_E=triton.next_power_of_2(num_experts), ROUTE_HERE=route_here)
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
+        logits, combine.experts, combine.weights, logits.stride(0), num_experts,
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
+        **routing, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
-    ptrs, sizes, strides, meta = combine.launch_args()
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
@@ -528,9 +592,10 @@ def _expert_rows(
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        *ptrs, counters, n, first, *strides,
+        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
+        COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"],
+        num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:
         _combine_kernel[(triton.cdiv(n, BLOCK_TOK), triton.cdiv(hidden, BLOCK_H))](
