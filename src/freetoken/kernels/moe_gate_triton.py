@@ -7,7 +7,9 @@ each is short and the launches' ramps cost more than their bytes. Here program (
 the token's add + norm (one row: cheap), writes s and h if g == 0, and computes GATE_ROWS of the
 token's E + 1 gate logits; the program that arrives last for the token (a per-token counter, as in
 the split-K linear) reads all of them back and routes the token (`moe_triton._route_token`, so the
-experts, weights and direct row blocks are those of `route`).
+experts, weights and direct row blocks are those of `route`). In the direct layout with the shared
+expert stacked (ROUTE_IN_GEMMS) the entry ends once its logits are stored instead, and the expert
+GEMMs route (`moe_triton.GemmRoute`): that takes the counter and the logits' reload off the step.
 
 x may also be the mixer's output projection with its split-K sum deferred (linear_triton.PendingSplitK):
 each program adds the slices as it loads the row (norm_triton.load_row), with the linear's bits.

@@ -19,7 +19,9 @@ holds each block's flat row ids, T marking padding (masked in every load and sto
             Block t holds row t (sorted_ids[t * BLOCK_M] = t, its other BLOCK_M - 1 entries T);
             block_expert[t] = the row's expert minus first if this rank holds it, else C. The route
             kernel writes it as it routes (given first and C), so no align launch; for experts from elsewhere
-            `_direct_blocks_kernel` writes it (one program per token). An expert chosen by several
+            `_direct_blocks_kernel` writes it (one program per token). With the shared expert stacked
+            the blocks may be left unwritten (`GemmRoute`): each gate_up and down program then routes
+            its own row from the router logits (`_top_k`, route's code). An expert chosen by several
             tokens (the stacked shared expert: by all) is read once per row, which is what bounds
             DIRECT_MAX_ROWS.
   aligned   T > DIRECT_MAX_ROWS: `_align_kernel`, one program per held expert, counts every held
