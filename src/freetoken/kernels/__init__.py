@@ -75,9 +75,7 @@ def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, co
     `causal_conv1d_batched` give them. None where the fused launch does not apply (call those two)."""
     from freetoken.kernels import linear_triton
 
-    if not linear_triton.conv_fusable(x, weight, windows, conv_weight):
-        return None
-    return linear_triton.linear_conv(x, weight, windows, conv_weight, slots)
+    return linear_triton.linear_conv(x, weight, windows, conv_weight, slots) if linear_triton.conv_fusable(x, weight, windows, conv_weight) else None
 
 
 def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -69,6 +69,14 @@ class LinearConfig:
 
 
 @triton.jit
+def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows [BLOCK_M] (axis 0) and features [BLOCK_N] (axis 1), and their in-range masks."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, rows < M, cols < N
+
+
+@triton.jit
 def _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     """The fp32 y^T tile [BLOCK_N, BLOCK_M] of features `cols` x rows `rows` over K in [k_begin, k_end),
@@ -94,13 +102,8 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
@@ -111,8 +114,7 @@ def _linear_kernel(
     elif DEFER:  # the partial of slice pid_s, [SPLIT, M, N]: the consumer adds the slices
         tl.store(part_ptr + (pid_s * M + rows[None, :].to(tl.int64)) * N + cols[:, None], acc, mask=out_mask)
     else:
-        num_m_tiles = tl.cdiv(M, BLOCK_M)
-        tile = pid_n * num_m_tiles + pid_m
+        tile = tl.program_id(1) * tl.cdiv(M, BLOCK_M) + tl.program_id(0)
         tile_ptrs = part_ptr + (tile * SPLIT) * (BLOCK_N * BLOCK_M) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         tl.store(tile_ptrs + pid_s * (BLOCK_N * BLOCK_M), acc)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
@@ -133,12 +135,7 @@ def _linear_conv_kernel(
     stride_xm, stride_wn, stride_ym, win_slot, win_t, conv_wc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     conv = (cols < C)[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M] the convolved features
     # The rows' slots (host copies), the conv weights and the windows (this layer's, written a step
     # back): read before the wait, and the window's three taps summed while the previous kernel runs.
@@ -229,7 +226,7 @@ def linear_conv(
     m, k = x.shape
     n = weight.shape[0]
     c = conv_weight.shape[0]
-    assert conv_fusable(x, weight, windows, conv_weight) and windows.shape[-1] == c and windows.stride(-1) == 1 and c <= n
+    assert windows.shape[-1] == c and windows.stride(-1) == 1 and c <= n, f"linear_conv: windows {tuple(windows.shape)} for {c} of {n} features"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -254,31 +251,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     m, k = x.shape
     n = weight.shape[0]
     cfg = cfg or config_for(n, k, weight.dtype)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
-    if defer_sum and cfg.split > 1 and 0 < m <= DEFER_SUM_MAX_ROWS:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        weight = weight if weight.stride(1) == 1 else weight.contiguous()
-        partials = torch.empty((cfg.split, m, n), dtype=torch.float32, device=x.device)
-        _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)](
-            x, weight, partials, partials, partials, m, n, k, k_per_split,
-            x.stride(0), weight.stride(0), n,
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=True, DOT_F32=INTERPRET,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
-        )
-        return PendingSplitK(partials, x.dtype)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    defer = defer_sum and cfg.split > 1 and 0 < m <= DEFER_SUM_MAX_ROWS
+    # deferred: the partials [SPLIT, M, N] are the output, written directly (no workspace, no counters)
+    y = torch.empty((cfg.split, m, n) if defer else (m, n), dtype=torch.float32 if defer else x.dtype, device=x.device)
     if m == 0:
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
+    for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):  # deferred: one launch (m <= DEFER_SUM_MAX_ROWS)
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
-        part, locks = _launch_workspace(x.device, rows, n, cfg) if cfg.split > 1 else (y, y)
+        part, locks = (y, y) if defer or cfg.split == 1 else _launch_workspace(x.device, rows, n, cfg)
         grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
-            x.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=False, DOT_F32=INTERPRET,
+            x.stride(0), weight.stride(0), y.stride(-2),
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=defer, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
-    return y
+    return PendingSplitK(y, x.dtype) if defer else y

@@ -13,9 +13,10 @@ trip, and computes
                                  added in fp32 in ascending expert id, then the gated shared expert
     s = (y + residual) in x.dtype, h = norm(s) * (1 + w)    as norm_triton._add_zc_rms_norm_kernel.
 
-Both steps are elementwise per (token, feature) but the norm's one reduction, which has the block,
-warps and load pattern of `_add_zc_rms_norm_kernel` (BLOCK_D, norm_triton.ADD_NORM_WARPS): y, s and h
-have the bits of the down launch's combine followed by `add_zc_rms_norm`, whatever the batch.
+Both steps are elementwise per (token, feature) but the norm's one reduction, which is
+`_add_zc_rms_norm_kernel`'s (`norm_triton.zc_norm`, the same block, warps and load pattern: BLOCK_D,
+norm_triton.ADD_NORM_WARPS): y, s and h have the bits of the down launch's combine followed by
+`add_zc_rms_norm`, whatever the batch.
 """
 
 from __future__ import annotations
@@ -67,9 +68,7 @@ def _combine_add_norm_kernel(
     r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
     s = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a torch add
     tl.store(sum_ptr + token * stride_s + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
-    tl.store(y_ptr + token * stride_y + cols, (sf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + token * stride_y + cols, norm_triton.zc_norm(s, w, H, eps).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 class PendingCombine(NamedTuple):

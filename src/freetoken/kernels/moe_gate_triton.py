@@ -62,9 +62,7 @@ def _add_norm_route_kernel(
     xf = norm_triton.load_row(x_ptr, token, cols, mask, stride_x, stride_xs, X_SPLIT, s_ptr.dtype.element_ty)
     r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
     s = (xf + r.to(tl.float32)).to(s_ptr.dtype.element_ty)  # rounded like a torch add
-    sf = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
-    h = (sf * rstd * (1.0 + w)).to(h_ptr.dtype.element_ty)
+    h = norm_triton.zc_norm(s, w, H, eps).to(h_ptr.dtype.element_ty)
     if pid_g == 0:
         tl.store(s_ptr + token * stride_s + cols, s, mask=mask)
         tl.store(h_ptr + token * stride_h + cols, h, mask=mask)
@@ -114,11 +112,11 @@ def add_norm_route(
     x, stride_x, stride_xs, x_split = norm_triton.row_source(x)
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
     dtype, device = residual.dtype, residual.device
-    out = moe_triton.route_outputs(n, num_experts, top_k, dtype, with_shared, first, count, device)
+    gemm_route = ROUTE_IN_GEMMS and with_shared and first == 0 and count in (None, num_gates) and moe_triton.is_direct(n * (top_k + 1))
+    out = moe_triton.route_outputs(n, num_experts, top_k, dtype, with_shared, first, count, device, direct_blocks=not gemm_route)
     s, h = torch.empty_like(residual), torch.empty_like(residual)
     logits = torch.empty((n, num_gates), dtype=dtype, device=device)
     counters = _token_counters(device)
-    gemm_route = ROUTE_IN_GEMMS and out.blocks is not None and with_shared and first == 0 and out.count == num_gates
     for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):  # direct blocks (T <= DIRECT_MAX_ROWS) take one launch
         tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
         _add_norm_route_kernel[(tokens, triton.cdiv(num_gates, GATE_ROWS))](

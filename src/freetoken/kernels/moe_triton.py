@@ -456,13 +456,15 @@ class RouteOutputs(NamedTuple):
         return (self.blocks.sorted_ids, self.blocks.block_expert) if self.blocks else (self.experts, self.experts)
 
 
-def route_outputs(n: int, num_experts: int, top_k: int, dtype: torch.dtype, with_shared: bool, first: int, count: int | None, device: torch.device) -> RouteOutputs:
+def route_outputs(n: int, num_experts: int, top_k: int, dtype: torch.dtype, with_shared: bool, first: int, count: int | None, device: torch.device,
+                  direct_blocks: bool = True) -> RouteOutputs:
     """The outputs of routing n tokens over num_experts router experts, for the held experts
-    [first, first + count) (default: all, E + with_shared)."""
+    [first, first + count) (default: all, E + with_shared); no direct row blocks unless direct_blocks
+    (the routing launch then writes experts and weights only)."""
     row_k = top_k + int(with_shared)
     count = num_experts + int(with_shared) if count is None else count
     rows = n * row_k
-    blocks = _direct_buffers(rows, first, count, device) if is_direct(rows) else None
+    blocks = _direct_buffers(rows, first, count, device) if direct_blocks and is_direct(rows) else None
     meta = dict(TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), ROW_K=row_k,
                 BLOCK_M=BLOCK_M, DIRECT=blocks is not None)
     experts = torch.empty((n, row_k), dtype=torch.int32, device=device)

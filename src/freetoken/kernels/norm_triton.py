@@ -113,6 +113,16 @@ def load_row(x_ptr, row, cols, mask, stride_x, stride_xs, X_SPLIT: tl.constexpr,
     return xf
 
 
+@triton.jit
+def zc_norm(s, w, D, eps):
+    """The zero-centred norm of one row s [BLOCK_D] (the residual sum, rounded) -> norm(s) * (1 + w) in
+    fp32. One definition, so every kernel that adds and normalises a row (here, the MoE entry and
+    exit) gives it the same bits."""
+    sf = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
+    return sf * rstd * (1.0 + w)
+
+
 def row_source(x) -> tuple[torch.Tensor, int, int, int]:
     """(pointer tensor, row stride, slice stride, X_SPLIT) of a row-kernel input: a tensor [N, D], or a
     deferred split-K linear's partials [SPLIT, N, D]."""
@@ -139,10 +149,8 @@ def _add_zc_rms_norm_kernel(
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
     s = (xf + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)  # rounded like a torch add
     tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
-    sf = s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / D + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (sf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + cols, zc_norm(s, w, D, eps).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def add_zc_rms_norm(x, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,28 +141,30 @@ class GatedDeltaNet(nn.Module):
 
             self.in_proj_weight = merge_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
+    def _split(self, projected: torch.Tensor):
+        """The merged projection's output [N, C + Hv * Dv + 2 Hv] -> column views [N, C], z [N, Hv, Dv], b, a [N, Hv]."""
+        hv = self.num_v_heads
+        first, z, b, a = torch.split(projected, [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
+        return first, z.view(projected.shape[0], hv, self.v_head_dim), b, a
+
     def _project(self, x: torch.Tensor):
         """x [N, H] -> mixed_qkv [N, C], z [N, Hv, Dv], b, a [N, Hv] (column views when merged)."""
-        n = x.shape[0]
-        if self.in_proj_weight is None:
-            mixed_qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        else:
-            hv = self.num_v_heads
-            mixed_qkv, z, b, a = torch.split(kernels.linear(x, self.in_proj_weight), [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
-        return mixed_qkv, z.view(n, self.num_v_heads, self.v_head_dim), b, a
+        if self.in_proj_weight is not None:
+            return self._split(kernels.linear(x, self.in_proj_weight))
+        z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.v_head_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
     def _project_conv(self, x: torch.Tensor, windows: torch.Tensor, batch: kernels.SeqBatch):
-        """A decode step's projection with the convolution in its launch (`kernels.linear_conv`) ->
-        conv_out [N, C], z [N, Hv, Dv], b, a [N, Hv]; None where that does not apply (the torch path,
-        unmerged projections, a sequence with other than one row)."""
-        if self.in_proj_weight is None or not kernels.use_triton(x) or any(n != 1 for n in batch.num_rows) or len(batch.num_rows) != x.shape[0]:
-            return None
-        fused = kernels.linear_conv(x, self.in_proj_weight, windows, self.conv1d.weight[:, 0, :], batch.slots)
-        if fused is None:
-            return None
-        hv, n = self.num_v_heads, x.shape[0]
-        conv_out, z, b, a = torch.split(fused, [self.conv_dim, hv * self.v_head_dim, hv, hv], dim=-1)
-        return conv_out, z.view(n, hv, self.v_head_dim), b, a
+        """An EXTEND step's projection and convolution (the windows advance) -> conv_out [N, C], z [N, Hv, Dv],
+        b, a [N, Hv]. At decode (one row per sequence, merged projections, Triton) the convolution runs
+        in the projection's launch (`kernels.linear_conv`); otherwise the projection, then the convolution."""
+        conv_weight = self.conv1d.weight[:, 0, :]
+        if self.in_proj_weight is not None and kernels.use_triton(x) and all(n == 1 for n in batch.num_rows):
+            fused = kernels.linear_conv(x, self.in_proj_weight, windows, conv_weight, batch.slots)
+            if fused is not None:
+                return self._split(fused)
+        mixed_qkv, z, b, a = self._project(x)
+        return kernels.causal_conv1d_batched(windows, mixed_qkv, conv_weight, batch), z, b, a
 
     def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype):
         """The recurrence over batch's rows: the fused kernel on the Triton path, else torch -> [N, Hv, Dv]."""
@@ -190,18 +192,12 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
         """defer_sum: out_proj's output may be its split-K partials, for the decoder's next add + norm."""
         n = x.shape[0]
-        conv_weight = self.conv1d.weight[:, 0, :]
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
-        fused = None if ctx.mode is ForwardMode.VERIFY else self._project_conv(x, conv_pool, batch)
-        if fused is not None:  # a decode step: the convolution ran in the projection's launch
-            conv_out, z, b, a = fused
-            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
-            return self.out_proj(self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim), defer_sum=defer_sum)
-        mixed_qkv, z, b, a = self._project(x)
         if ctx.mode is ForwardMode.VERIFY:
-            conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch, write_state=False)
+            mixed_qkv, z, b, a = self._project(x)
+            conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, self.conv1d.weight[:, 0, :], batch, write_state=False)
             if kernels.use_triton(x):
                 core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
@@ -210,7 +206,7 @@ class GatedDeltaNet(nn.Module):
                 core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
-            conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, conv_weight, batch)
+            conv_out, z, b, a = self._project_conv(x, conv_pool, batch)
             core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y, defer_sum=defer_sum)

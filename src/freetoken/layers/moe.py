@@ -17,9 +17,9 @@ the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode 
 (N * R <= 32 routed rows, R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) it also
 writes the expert GEMMs' row blocks (one row per block), and up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
 tokens the down launch also combines, so with the stacked shared expert the add, norm and block are
-three launches (that one, gate_up, down); in the decoder trunk (`defer_output`) the combine moves
-instead into the next residual add + norm's launch (kernels/moe_exit_triton.py), and with a dense shared MLP six (and the MLP's gate_up
-linear, silu_mul and down linear). Above those sizes, the rows are grouped by expert first (align)
+three launches (that one, gate_up, down), and with a dense shared MLP six (and the MLP's gate_up
+linear, silu_mul and down linear). In the decoder trunk (`defer_output`) the stacked block's combine
+moves instead into the next residual add + norm's launch (kernels/moe_exit_triton.py). Above those sizes, the rows are grouped by expert first (align)
 and the combine has its own launch: one launch more each. A row's result has the same bits either way.
 
 Across ranks the experts are split evenly (expert parallel): a rank runs the routed tokens through
