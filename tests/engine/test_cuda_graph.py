@@ -101,3 +101,16 @@ def test_overlap_equals_no_overlap(fixture_unified, batch):
     assert _overlap_run(model, prompts, params, graphs=True, overlap=True) == expected
     assert _overlap_run(model, prompts, params, graphs=True, overlap=False) == expected
     assert _overlap_run(model, prompts, params, graphs=False, overlap=True) == expected
+
+
+@pytest.mark.parametrize("family", ["qwen35_dense", "qwen35_moe"])
+def test_l2_prefetches_change_no_token(fixture_unified, family, monkeypatch):
+    """Every launch that queues an L2 prefetch (kernels/l2_prefetch.py) is in these steps: the out and
+    input projections, the MLP's gate_up or the shared expert's; off, the tokens are the same."""
+    from freetoken.kernels import l2_prefetch
+
+    model = _model(fixture_unified, family)
+    with_prefetch = _run(model, graphs=True, spec="mtp", k=3)
+    for site in ("OUT_PROJ_BYTES", "INPUT_BYTES", "MLP_BYTES"):
+        monkeypatch.setattr(l2_prefetch, site, 0)
+    assert _run(model, graphs=True, spec="mtp", k=3) == with_prefetch == _run(model, graphs=False)

@@ -27,6 +27,7 @@ from freetoken.kernels.batched import SeqBatch, seq_batch
 from freetoken.kernels.rope_ref import apply_rope
 
 if TYPE_CHECKING:
+    from freetoken.kernels.l2_prefetch import Span
     from freetoken.kernels.linear_triton import PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
     from freetoken.kernels.moe_triton import RowBlocks
@@ -78,6 +79,17 @@ def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, co
     return linear_triton.linear_conv(x, weight, windows, conv_weight, slots) if linear_triton.conv_fusable(x, weight, windows, conv_weight) else None
 
 
+def l2_span(weight: torch.Tensor | None, x: torch.Tensor, site: str) -> "Span | None":
+    """The L2 prefetch of `weight` that a latency-bound launch over rows x [N, ...] queues for the GEMM
+    after it, at `site` ("out_proj", "input" or "mlp": kernels/l2_prefetch.py); None off the Triton
+    CUDA path, for many rows, or where the site is off. Only the launches that take a `prefetch` use it."""
+    if not (x.is_cuda and use_triton(x)):
+        return None
+    from freetoken.kernels import l2_prefetch
+
+    return l2_prefetch.span(weight, x.shape[0], l2_prefetch.site_bytes(site))
+
+
 def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """norm(x) * (1 + w); x [..., D], weight [D]."""
     if use_triton(x):
@@ -96,16 +108,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return norm_ref.rms_norm(x, weight, eps)
 
 
-def add_zc_rms_norm(x: "torch.Tensor | PendingCombine | PendingSplitK", residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_zc_rms_norm(x: "torch.Tensor | PendingCombine | PendingSplitK", residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: "Span | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, norm(s) * (1 + w)) with s = x + residual; x, residual [N, D]. x may be a MoE block's output
     whose combine was deferred (`moe_experts_with_shared`) or a linear's whose slices' sum was
-    (`linear`): then this launch finishes it too."""
+    (`linear`): then this launch finishes it too. prefetch: `l2_span`'s, queued by the launch."""
     if not isinstance(x, torch.Tensor):
-        return x.add_zc_rms_norm(residual, weight, eps)
+        return x.add_zc_rms_norm(residual, weight, eps, prefetch)
     if use_triton(x):
         from freetoken.kernels import norm_triton
 
-        return norm_triton.add_zc_rms_norm(x, residual, weight, eps)
+        return norm_triton.add_zc_rms_norm(x, residual, weight, eps, prefetch)
     return norm_ref.add_zc_rms_norm(x, residual, weight, eps)
 
 
@@ -127,13 +139,13 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return norm_ref.gated_rms_norm(x, gate, weight, eps, act)
 
 
-def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch: "Span | None" = None) -> torch.Tensor:
     """zc_rms_norm then partial RoPE of q [N, Hq, D] and k [N, Hkv, D]; k and v [N, Hkv, D] stored at
-    slot_mapping [N] in the caches [num_slots, Hkv, D]; returns the rotated q."""
+    slot_mapping [N] in the caches [num_slots, Hkv, D]; returns the rotated q. prefetch: `l2_span`'s."""
     if use_triton(q):
         from freetoken.kernels import rope_triton
 
-        return rope_triton.norm_rope_store(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping)
+        return rope_triton.norm_rope_store(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch)
     q = apply_rope(norm_ref.zc_rms_norm(q, q_weight, eps), positions, inv_freq)
     k = apply_rope(norm_ref.zc_rms_norm(k, k_weight, eps), positions, inv_freq)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -160,12 +172,12 @@ def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: tor
     return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
 
 
-def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32):
+def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None):
     """The gated delta rule over the state pool [slots, Hv, Dk, Dv] with its input preparation fused in
-    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused."""
+    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s."""
     from freetoken.kernels import gdn_triton
 
-    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype)
+    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch)
 
 
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
@@ -206,15 +218,16 @@ def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None
     return (*moe_ref.route(logits, top_k, dtype, with_shared), None)
 
 
-def moe_add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gates: torch.Tensor, top_k: int, with_shared: bool = False, first: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, RowBlocks | None]:
+def moe_add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gates: torch.Tensor, top_k: int, with_shared: bool = False, first: int = 0, count: int | None = None, prefetch: "Span | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, RowBlocks | None]:
     """A MoE block's entry: s = x + residual, h = zc_rms_norm(s), the merged gates [E + 1, H] (router rows,
     then the shared-expert gate) applied to h, and the routing of the router logits ->
     (s, h, experts, weights, shared-gate logits [N, 1], blocks), as add_zc_rms_norm, linear and
-    moe_route give them; one launch on the Triton path. x may be a linear's deferred split-K sum."""
+    moe_route give them; one launch on the Triton path. x may be a linear's deferred split-K sum.
+    prefetch: `l2_span`'s, queued by the launch."""
     if not isinstance(x, torch.Tensor) or use_triton(x):
         from freetoken.kernels import moe_gate_triton
 
-        return moe_gate_triton.add_norm_route(x, residual, norm_weight, eps, gates, top_k, with_shared, first, count)
+        return moe_gate_triton.add_norm_route(x, residual, norm_weight, eps, gates, top_k, with_shared, first, count, prefetch)
     s, h = add_zc_rms_norm(x, residual, norm_weight, eps)
     logits = linear(h, gates)
     return (s, h, *moe_route(logits[:, :-1], top_k, x.dtype, with_shared, first, count)[:2], logits[:, -1:], None)
@@ -259,6 +272,7 @@ __all__ = [
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
+    "l2_span",
     "linear",
     "linear_conv",
     "moe_add_norm_route",

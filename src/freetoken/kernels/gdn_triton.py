@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
+from freetoken.kernels import compat_triton, l2_prefetch, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
 # Value columns a program (its state tile is [Dk, BLOCK_V] fp32) and the fused kernel's warps. H200, 35B-A3B
@@ -108,8 +108,13 @@ def _gdn_fused_kernel(
     starts_ptr, counts_ptr, slots_ptr,
     Dk, Dv, key_dim, rep, scale, write_state, write_output,
     s_slot, s_head, s_k, x_row, a_row, b_row, o_row, o_head,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+    pf_ptr, pf_lines, num_seqs,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PREFETCH:  # the programs past the sequences' prefetch the next GEMM's weight (l2_prefetch)
+        if tl.program_id(0) >= num_seqs:
+            l2_prefetch.run(pf_ptr, pf_lines, num_seqs, PDL)
+            return
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -165,11 +170,13 @@ def gdn_fused(
     write_state: bool = True,
     compute_output: bool = True,
     out_dtype: torch.dtype = torch.float32,
+    prefetch: l2_prefetch.Span | None = None,
 ) -> torch.Tensor | None:
     """The gated delta rule with its input preparation fused in (l2-norm and scale of q and k, value
     head j reading key head j // (Hv / Hk), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias))
     -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False. One kernel serves decode,
-    verify (write_state=False) and the commit replay (compute_output=False)."""
+    verify (write_state=False) and the commit replay (compute_output=False). prefetch: queued by
+    extra programs of the launch (l2_prefetch)."""
     assert state.dtype == torch.float32 and state.stride(-1) == 1
     conv_out = _inner_contiguous(conv_out)
     a, b = _inner_contiguous(a), _inner_contiguous(b)
@@ -180,12 +187,14 @@ def gdn_fused(
         return out
     o = out if out is not None else state  # never written when compute_output is False
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
-    grid = (batch.num_seqs, num_heads, triton.cdiv(dv, block_v))
-    _gdn_fused_kernel[grid](
+    v_tiles = triton.cdiv(dv, block_v)
+    extra = prefetch.extra_rows(num_heads * v_tiles) if prefetch is not None else 0
+    _gdn_fused_kernel[(batch.num_seqs + extra, num_heads, v_tiles)](
         state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
+        num_seqs=batch.num_seqs, **l2_prefetch.launch_args(prefetch, state),
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

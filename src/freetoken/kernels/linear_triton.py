@@ -52,11 +52,12 @@ class PendingSplitK(NamedTuple):
     partials: torch.Tensor  # [SPLIT, M, N] fp32
     dtype: torch.dtype
 
-    def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(s, norm(s) * (1 + w)) with s = this output + residual: `norm_triton.add_zc_rms_norm`, which adds the slices."""
+    def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s) * (1 + w)) with s = this output + residual: `norm_triton.add_zc_rms_norm`, which adds
+        the slices (and queues `prefetch`, an l2_prefetch.Span)."""
         from freetoken.kernels import norm_triton
 
-        return norm_triton.add_zc_rms_norm(self, residual, weight, eps)
+        return norm_triton.add_zc_rms_norm(self, residual, weight, eps, prefetch)
 
 
 @dataclass(frozen=True)

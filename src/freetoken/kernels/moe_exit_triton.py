@@ -27,15 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import norm_triton, pdl
+from freetoken.kernels import l2_prefetch, norm_triton, pdl
 
 
 @triton.jit
 def _combine_add_norm_kernel(
     rows_ptr, experts_ptr, weights_ptr, gate_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
-    H, stride_rows, stride_g, stride_r, stride_s, stride_y, eps,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    H, stride_rows, stride_g, stride_r, stride_s, stride_y, eps, pf_ptr, pf_lines, num_tokens,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
+        if tl.program_id(0) >= num_tokens:
+            l2_prefetch.run(pf_ptr, pf_lines, num_tokens, PDL)
+            return
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -79,9 +83,10 @@ class PendingCombine(NamedTuple):
     weights: torch.Tensor  # [N, top_k] x.dtype, contiguous
     shared_gate: torch.Tensor  # [N, 1] shared-expert gate logits
 
-    def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: l2_prefetch.Span | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, norm(s) * (1 + w)) with s = block output + residual [N, H], as `norm_triton.add_zc_rms_norm`
-        gives them for the block output the down launch's combine writes."""
+        gives them for the block output the down launch's combine writes. prefetch: queued by extra
+        programs of the launch (l2_prefetch)."""
         n, row_k = self.experts.shape
         hidden = self.rows.shape[1]
         top_k = self.weights.shape[1]
@@ -92,9 +97,11 @@ class PendingCombine(NamedTuple):
         s = torch.empty_like(residual)
         h = torch.empty_like(residual)
         if n:
-            _combine_add_norm_kernel[(n,)](
+            extra = prefetch.extra_rows(1) if prefetch is not None else 0
+            _combine_add_norm_kernel[(n + extra,)](
                 self.rows, self.experts, self.weights, self.shared_gate, residual, weight.contiguous(), s, h,
                 hidden, self.rows.stride(0), self.shared_gate.stride(0), residual.stride(0), s.stride(0), h.stride(0), eps,
+                num_tokens=n, **l2_prefetch.launch_args(prefetch, s),
                 TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=row_k, BLOCK_H=triton.next_power_of_2(hidden),
                 num_warps=norm_triton.ADD_NORM_WARPS, **pdl.launch_kwargs(),
             )

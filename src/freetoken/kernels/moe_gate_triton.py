@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import moe_triton, norm_triton, pdl
+from freetoken.kernels import l2_prefetch, moe_triton, norm_triton, pdl
 
 GATE_ROWS = 4  # gate logits per program: 65 programs per token at E = 256. H200, 35B-A3B decode step in one
 # run (bench/variants.py): 2.6655 ms at 4 rows, 2.6786 at 2, 2.6823 at 8, 2.8909 at 16 (logs/variants-gate-rows-35b-a26586a.jsonl)
@@ -45,11 +45,15 @@ def _add_norm_route_kernel(
     x_ptr, r_ptr, norm_w_ptr, s_ptr, h_ptr,
     gates_ptr, logits_ptr, count_ptr,
     experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
-    H, G, E, eps, stride_x, stride_xs, stride_r, stride_s, stride_h, stride_g, stride_l, T, first, C,
+    H, G, E, eps, stride_x, stride_xs, stride_r, stride_s, stride_h, stride_g, stride_l, T, first, C, pf_ptr, pf_lines, num_tokens,
     X_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, GATE_ROWS: tl.constexpr,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, ROUTE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, ROUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
+        if tl.program_id(0) >= num_tokens:
+            l2_prefetch.run(pf_ptr, pf_lines, num_tokens, PDL)
+            return
     token = tl.program_id(0).to(tl.int64)
     pid_g = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
@@ -98,6 +102,7 @@ def add_norm_route(
     with_shared: bool = False,
     first: int = 0,
     count: int | None = None,
+    prefetch: l2_prefetch.Span | None = None,  # queued by extra programs of the launch (l2_prefetch)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, moe_triton.RowBlocks | moe_triton.GemmRoute | None]:
     """-> (s = x + residual, h = norm(s) * (1 + w), experts [N, top_k (+ 1)] int32, weights [N, top_k],
     shared-gate logits [N, 1], row blocks): `add_zc_rms_norm`, the gates linear and `moe_triton.route`
@@ -119,12 +124,15 @@ def add_norm_route(
     counters = _token_counters(device)
     for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):  # direct blocks (T <= DIRECT_MAX_ROWS) take one launch
         tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
-        _add_norm_route_kernel[(tokens, triton.cdiv(num_gates, GATE_ROWS))](
+        gate_programs = triton.cdiv(num_gates, GATE_ROWS)
+        pf = prefetch if t0 == 0 else None
+        extra = pf.extra_rows(gate_programs) if pf is not None else 0
+        _add_norm_route_kernel[(tokens + extra, gate_programs)](
             x[t0:] if not x_split else x[:, t0:], residual[t0:], norm_weight, s[t0:], h[t0:],
             gates, logits[t0:], counters,
             out.experts[t0:], out.weights[t0:], *out.block_ptrs,
             hidden, num_gates, num_experts, eps, stride_x, stride_xs, residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
-            out.rows, first, out.count,
+            out.rows, first, out.count, num_tokens=tokens, **l2_prefetch.launch_args(pf, s),
             X_SPLIT=x_split, BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, ROUTE=not gemm_route,
             num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
         )

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
+from freetoken.kernels import compat_triton, l2_prefetch, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 
 _ACTS = {"silu": 0, "sigmoid": 1}
 # The gated form's warps (rows of at most 4096; the GDN output heads are 128 wide). H200, 35B-A3B decode step
@@ -138,9 +138,13 @@ def row_source(x) -> tuple[torch.Tensor, int, int, int]:
 @triton.jit
 def _add_zc_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
-    D, stride_x, stride_xs, stride_r, stride_s, stride_y, eps,
-    X_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    D, stride_x, stride_xs, stride_r, stride_s, stride_y, eps, pf_ptr, pf_lines, num_rows,
+    X_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
+        if tl.program_id(0) >= num_rows:
+            l2_prefetch.run(pf_ptr, pf_lines, num_rows, PDL)
+            return
     pdl.sync(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -153,18 +157,20 @@ def _add_zc_rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + cols, zc_norm(s, w, D, eps).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def add_zc_rms_norm(x, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_zc_rms_norm(x, residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: l2_prefetch.Span | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, norm(s) * (1 + w)) with s = x + residual in residual.dtype; x [N, D] (or a deferred split-K
-    linear's output, linear_triton.PendingSplitK), residual [N, D]."""
+    linear's output, linear_triton.PendingSplitK), residual [N, D]. prefetch: queued by extra programs
+    of the launch (l2_prefetch)."""
     n, d = residual.shape
     x, stride_x, stride_xs, x_split = row_source(x)
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     s = torch.empty_like(residual)
     y = torch.empty_like(residual)
     if n:
-        _add_zc_rms_norm_kernel[(n,)](
+        extra = prefetch.extra_rows(1) if prefetch is not None else 0
+        _add_zc_rms_norm_kernel[(n + extra,)](
             x, residual, weight.contiguous(), s, y, d, stride_x, stride_xs, residual.stride(0), s.stride(0), y.stride(0), eps,
-            X_SPLIT=x_split, BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, ADD_NORM_WARPS), **pdl.launch_kwargs(),
+            num_rows=n, **l2_prefetch.launch_args(prefetch, s), X_SPLIT=x_split, BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, ADD_NORM_WARPS), **pdl.launch_kwargs(),
         )
     return s, y
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
+from freetoken.kernels import compat_triton, l2_prefetch, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 
 NUM_WARPS = 4  # of the fused q/k norm + RoPE + cache write; 2 or 8 the same within noise in the 35B-A3B step (logs/variants-35b-small-kernels.jsonl)
 
@@ -24,9 +24,13 @@ NUM_WARPS = 4  # of the fused q/k norm + RoPE + cache write; 2 or 8 the same wit
 def _norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     Hq, D, eps,
-    q_row, q_head, k_row, k_head, v_row, v_head, qo_row, qo_head, cache_slot, cache_head,
-    ROT: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr,
+    q_row, q_head, k_row, k_head, v_row, v_head, qo_row, qo_head, cache_slot, cache_head, pf_ptr, pf_lines, num_rows,
+    ROT: tl.constexpr, D_PAD: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
+        if tl.program_id(0) >= num_rows:
+            l2_prefetch.run(pf_ptr, pf_lines, num_rows, PDL)
+            return
     pdl.sync(PDL)
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -81,19 +85,22 @@ def norm_rope_store(
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
     v_cache: torch.Tensor,  # [num_slots, Hkv, D]
     slot_mapping: torch.Tensor,  # [N]
+    prefetch: l2_prefetch.Span | None = None,
 ) -> torch.Tensor:
-    """Normed, rotated q [N, Hq, D] (contiguous); normed, rotated k and raw v land in the caches."""
+    """Normed, rotated q [N, Hq, D] (contiguous); normed, rotated k and raw v land in the caches.
+    prefetch: queued by extra programs of the launch (l2_prefetch)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return q_out
-    _norm_rope_kernel[(n, hq + hkv)](
+    extra = prefetch.extra_rows(hq + hkv) if prefetch is not None else 0
+    _norm_rope_kernel[(n + extra, hq + hkv)](
         q, k, v, q_weight, k_weight, positions, inv_freq, slot_mapping, q_out, k_cache, v_cache,
         hq, d, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(0), k_cache.stride(1), num_rows=n, **l2_prefetch.launch_args(prefetch, q_out),
         ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return q_out

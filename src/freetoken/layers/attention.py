@@ -67,6 +67,11 @@ class GatedAttention(nn.Module):
             q_gate, k, v = torch.split(kernels.linear(x, self.qkv_weight), [self.qkv_weight.shape[0] - 2 * kv, kv, kv], dim=-1)
         return q_gate.view(n, self.num_heads, 2 * self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
 
+    @property
+    def input_weight(self) -> torch.Tensor | None:
+        """The merged q/k/v projection (None until merged): the first GEMM of the layer's forward."""
+        return self.qkv_weight
+
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         """[rotary_dim / 2] fp32, computed once per device."""
         cached = self.__dict__.get("_inv_freq_cache")
@@ -81,6 +86,7 @@ class GatedAttention(nn.Module):
         q_gate, k, v = self._project(x)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
-        q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(x.device), k_cache, v_cache, ctx.slot_mapping)
+        q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(x.device), k_cache, v_cache, ctx.slot_mapping,
+                                    prefetch=kernels.l2_span(self.o_proj.weight, x, "out_proj"))
         out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), defer_sum=defer_sum)

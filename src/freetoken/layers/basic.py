@@ -82,7 +82,8 @@ class MLP(nn.Module):
         """(mlp(norm(x + residual)), x + residual); [N, H] each. The decoder layer's entry to every MLP
         block. defer_output: the mlp output may be down's split-K partials, for the caller's next
         `kernels.add_zc_rms_norm` only."""
-        residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
+        prefetch = kernels.l2_span(self.gate_up_weight, residual, "mlp")  # queued by the add + norm launch
+        residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps, prefetch)
         return self(h, defer_sum=defer_output), residual
 
     def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]

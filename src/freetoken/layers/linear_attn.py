@@ -141,6 +141,11 @@ class GatedDeltaNet(nn.Module):
 
             self.in_proj_weight = merge_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
+    @property
+    def input_weight(self) -> torch.Tensor | None:
+        """The merged input projection (None until merged): the first GEMM of the layer's forward."""
+        return self.in_proj_weight
+
     def _split(self, projected: torch.Tensor):
         """The merged projection's output [N, C + Hv * Dv + 2 Hv] -> column views [N, C], z [N, Hv, Dv], b, a [N, Hv]."""
         hv = self.num_v_heads
@@ -166,18 +171,19 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = self._project(x)
         return kernels.causal_conv1d_batched(windows, mixed_qkv, conv_weight, batch), z, b, a
 
-    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype):
-        """The recurrence over batch's rows: the fused kernel on the Triton path, else torch -> [N, Hv, Dv]."""
+    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype, prefetch=None):
+        """The recurrence over batch's rows: the fused kernel on the Triton path (which queues `prefetch`,
+        kernels.l2_span), else torch -> [N, Hv, Dv]."""
         if kernels.use_triton(conv_out):
-            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype)
+            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype, prefetch=prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch, write_state=write_state).to(out_dtype)
 
-    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype) -> torch.Tensor:  # -> [N, Hv, Dv]
+    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None) -> torch.Tensor:  # -> [N, Hv, Dv]
         """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence."""
         chunked, rest = split_extend(batch)
         if chunked is None:
-            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype)
+            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         out = kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked)  # fp32; the chunked rows only
         if sum(rest.num_rows):
@@ -195,11 +201,12 @@ class GatedDeltaNet(nn.Module):
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
+        prefetch = kernels.l2_span(self.out_proj.weight, x, "out_proj")  # by the recurrence's launch
         if ctx.mode is ForwardMode.VERIFY:
             mixed_qkv, z, b, a = self._project(x)
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, self.conv1d.weight[:, 0, :], batch, write_state=False)
             if kernels.use_triton(x):
-                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype)
+                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype, prefetch=prefetch)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
             else:
                 q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
@@ -207,7 +214,7 @@ class GatedDeltaNet(nn.Module):
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
             conv_out, z, b, a = self._project_conv(x, conv_pool, batch)
-            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype)
+            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype, prefetch)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y, defer_sum=defer_sum)
 

@@ -97,8 +97,10 @@ class SparseMoE(nn.Module):
             residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
             return self(h), residual
         stacked = self.stacked is not None
+        # the entry launch prefetches the stacked shared expert's gate_up rows into L2 (kernels.l2_span)
+        prefetch = kernels.l2_span(self.stacked[0][-1], residual, "mlp") if stacked else None
         residual, h, experts, weights, shared_gate, blocks = kernels.moe_add_norm_route(
-            x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, **self._routed(stacked),
+            x, residual, norm.weight, norm.eps, self.gates_weight, self.top_k, **self._routed(stacked), prefetch=prefetch,
         )
         return self._experts(h, experts, weights, blocks, shared_gate, stacked, defer_output), residual
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.forward_context import ForwardContext
 from freetoken.layers.attention import GatedAttention, kv_head_range
@@ -60,21 +61,20 @@ class DecoderLayer(nn.Module):
         residual stream before the MLP's add), whose sum is the layer's output. defer_output: the
         mlp output may be left unfinished (a MoE block's `PendingCombine`, a dense MLP's down
         partials `PendingSplitK`), for the caller's `add_norm` only."""
+        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
         if residual is None:
             residual, h = x, self.input_layernorm(x)
-        else:
-            residual, h = add_norm(x, residual, self.input_layernorm)
-        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+        else:  # the add + norm launch prefetches the mixer's input projection into L2 (kernels.l2_span)
+            residual, h = add_norm(x, residual, self.input_layernorm, kernels.l2_span(mixer.input_weight, residual, "input"))
         # The mixer may leave its output projection's split-K sum to the add + norm that follows it; the
         # MoE block fuses that add + norm into its routing (and may leave its combine to the next one).
         return self.mlp.add_norm_forward(mixer(h, ctx, defer_sum=True), residual, self.post_attention_layernorm, defer_output)
 
 
-def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, norm(x + residual)) in one pass; [N, H] each (x may be a layer's unfinished output: kernels.add_zc_rms_norm)."""
-    from freetoken import kernels
-
-    return kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
+def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm, prefetch=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)) in one pass; [N, H] each (x may be a layer's unfinished output:
+    kernels.add_zc_rms_norm; the launch queues `prefetch`, a kernels.l2_span)."""
+    return kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps, prefetch)
 
 
 class Qwen35Model(nn.Module):
