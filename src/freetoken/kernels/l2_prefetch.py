@@ -17,7 +17,7 @@ Where each prefetch is issued (the layers build the `Span`s):
 A launch only ends when its prefetch programs' lines have arrived, so a prefetch pays only while it
 fits in the launch's own few microseconds: a few MiB. Measured on the H200 (bench/variants.py, one
 process, two rounds; logs/variants-*-l2-prefetch-*.jsonl), 35B-A3B decode step: 2.373 ms without,
-2.323-2.326 ms with out 4 / input 4 / MLP 4 MiB, and input 2 MiB 3-4 us faster than 4 (with MLP 4);
+2.322-2.326 ms with out 4 / input 4 / MLP 4 MiB, and input 2 MiB 3-4 us faster than 4 (with MLP 4);
 whole weights cost time instead (out_proj's 16 MiB: 2.40 ms; the input projection's first 32 MiB:
 2.45 ms). At the 9B shape, whose GEMMs are long and near the bandwidth floor already, it gains
 nothing: 4.316-4.318 ms without, 4.325-4.328 with 4 / 4 / 4 MiB, 4.312 with input 2 MiB alone.

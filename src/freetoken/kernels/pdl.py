@@ -26,6 +26,10 @@ nor did prefetching each output projection into L2 from a side stream forked aft
 projection, while the latency-bound kernels between them run (2.536 -> 2.646 ms; 9B 226.5 -> 216.9
 tok/s; logs/variants-*-side-prefetch-5721537.jsonl).
 
+After its wait a latency-bound launch may prefetch the first MiB of the next GEMM's weight into L2,
+from programs of its own that do nothing else (l2_prefetch.py): that paid, where streaming before the
+wait did not.
+
 Off under the interpreter, on GPUs before sm_90, and with FREETOKEN_PDL=0.
 """
 
