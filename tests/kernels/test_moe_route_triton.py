@@ -51,6 +51,21 @@ def test_route_matches_reference(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_route_picks_the_largest_lowest_id_first_among_many_ties(device):
+    """Logits drawn from a few well-spaced values (many exact ties): the picks are the experts sorted by
+    (value descending, id ascending), for every top_k the one-reduction pick takes (<= 8) and the
+    iterative one (> 8), E below, at and past a power of two."""
+    gen = torch.Generator().manual_seed(3)
+    for num_experts, top_k in ((8, 8), (12, 1), (12, 5), (40, 8), (40, 11)):
+        logits = (torch.randint(0, 4, (6, num_experts), generator=gen) * 0.25).to(device)
+        experts, weights, _ = moe_triton.route(logits, top_k, torch.float32)
+        order = torch.stack([torch.tensor(sorted(range(num_experts), key=lambda e: (-float(row[e]), e))[:top_k]) for row in logits.cpu()])
+        assert torch.equal(experts.cpu().long(), order), f"{num_experts} experts, top {top_k}"
+        p = torch.softmax(logits.cpu(), dim=-1).gather(1, order)
+        torch.testing.assert_close(weights.cpu(), p / p.sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_route_ties_go_to_lower_ids(device):
     experts, weights, _ = moe_triton.route(torch.zeros(3, 8, device=device), 3, torch.float32)
     assert torch.equal(experts.cpu(), torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32))
