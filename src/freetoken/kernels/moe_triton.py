@@ -118,40 +118,15 @@ def _direct_blocks(sorted_ids_ptr, block_expert_ptr, rows, experts, mask, T, fir
 
 
 @triton.jit
-def _ce(x, y):
-    """A compare-exchange: (larger, smaller)."""
-    return tl.maximum(x, y), tl.minimum(x, y)
-
-
-@triton.jit
-def _top8_merge(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    """Two descending 8-lists -> the 8 largest of their union, descending: the larger of a_i and b_7-i
-    (a bitonic sequence), then a bitonic sort (three compare-exchange stages)."""
-    c0, c1, c2, c3 = tl.maximum(a0, b7), tl.maximum(a1, b6), tl.maximum(a2, b5), tl.maximum(a3, b4)
-    c4, c5, c6, c7 = tl.maximum(a4, b3), tl.maximum(a5, b2), tl.maximum(a6, b1), tl.maximum(a7, b0)
-    c0, c4 = _ce(c0, c4)
-    c1, c5 = _ce(c1, c5)
-    c2, c6 = _ce(c2, c6)
-    c3, c7 = _ce(c3, c7)
-    c0, c2 = _ce(c0, c2)
-    c1, c3 = _ce(c1, c3)
-    c4, c6 = _ce(c4, c6)
-    c5, c7 = _ce(c5, c7)
-    c0, c1 = _ce(c0, c1)
-    c2, c3 = _ce(c2, c3)
-    c4, c5 = _ce(c4, c5)
-    c6, c7 = _ce(c6, c7)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
 def _top_k(logits, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's fp32 router logits [BLOCK_E] (-inf past E) -> (ids [TOP_K_POW2] int32, weights
-    [TOP_K_POW2] fp32 renormalised; slots past TOP_K 0): softmax, then the top_k keys, largest first."""
+    [TOP_K_POW2] fp32 renormalised; slots past TOP_K 0): softmax, then top_k by iterative max. (All
+    eight in one tl.reduce with a bitonic top-8 merge builds with 8 barriers instead of 29 but measured
+    slower in the 35B-A3B step: 2.346 against 2.332 ms, logs/variants-35b-topk-network-c5a2dae.jsonl.)"""
     cols = tl.arange(0, BLOCK_E)
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
-    # One int64 key per expert, so that picking is comparing keys: a probability (>= +0) orders as its
+    # One int64 key per expert, so that each pick is one reduction: a probability (>= +0) orders as its
     # fp32 bits, and the low word (BLOCK_E - 1 - id) makes the lowest id win among equal probabilities.
     # Padding (-1) never wins, even over probabilities that underflow to 0.
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
@@ -159,19 +134,12 @@ def _top_k(logits, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl
     slots = tl.arange(0, TOP_K_POW2)
     ids = tl.zeros((TOP_K_POW2,), dtype=tl.int32)
     w = tl.zeros((TOP_K_POW2,), dtype=tl.float32)
-    if TOP_K <= 8:  # all eight in one reduction (one pass through shared memory, not eight)
-        none = tl.full((BLOCK_E,), -1, tl.int64)
-        top = tl.reduce((key, none, none, none, none, none, none, none), 0, _top8_merge)
-        for k in tl.static_range(TOP_K):
-            ids = tl.where(slots == k, BLOCK_E - 1 - (top[k] & 0xFFFFFFFF).to(tl.int32), ids)
-            w = tl.where(slots == k, (top[k] >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
-    else:  # by iterative max: the same keys, in the same order
-        for k in tl.static_range(TOP_K):
-            best = tl.max(key, 0)
-            e = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
-            ids = tl.where(slots == k, e, ids)
-            w = tl.where(slots == k, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
-            key = tl.where(cols == e, -1, key)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(key, 0)
+        e = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        ids = tl.where(slots == k, e, ids)
+        w = tl.where(slots == k, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
+        key = tl.where(cols == e, -1, key)
     return ids, w / tl.sum(w, 0)
 
 
