@@ -60,8 +60,10 @@ def test_spans_are_off_where_they_cannot_apply(monkeypatch):
     weight = torch.zeros(64, 64, dtype=torch.bfloat16)
     assert l2_prefetch.span(weight, 1, 1 << 20) is None  # a CPU tensor: no L2 to fill
     assert l2_prefetch.span(None, 1, 1 << 20) is None
-    assert l2_prefetch.Span(weight.view(-1).view(torch.uint8), 64).extra_rows(128) == 1
-    assert l2_prefetch.Span(weight.view(-1).view(torch.uint8), 64).extra_rows(1) == l2_prefetch.PROGRAMS
+    span = l2_prefetch.Span(weight.view(-1).view(torch.uint8), 64)
+    assert l2_prefetch.launch_args(span, 128, weight)[0] == 1
+    assert l2_prefetch.launch_args(span, 1, weight)[0] == l2_prefetch.PROGRAMS
+    assert l2_prefetch.launch_args(None, 1, weight) == (0, {"pf_ptr": weight, "pf_lines": 0, "PREFETCH": False})
     monkeypatch.setattr(l2_prefetch, "INPUT_BYTES", 0)
     assert l2_prefetch.site_bytes("input") == 0
     with pytest.raises(KeyError):

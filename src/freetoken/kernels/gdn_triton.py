@@ -188,13 +188,13 @@ def gdn_fused(
     o = out if out is not None else state  # never written when compute_output is False
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     v_tiles = triton.cdiv(dv, block_v)
-    extra = prefetch.extra_rows(num_heads * v_tiles) if prefetch is not None else 0
+    extra, pf_args = l2_prefetch.launch_args(prefetch, num_heads * v_tiles, state)
     _gdn_fused_kernel[(batch.num_seqs + extra, num_heads, v_tiles)](
         state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        num_seqs=batch.num_seqs, **l2_prefetch.launch_args(prefetch, state),
+        num_seqs=batch.num_seqs, **pf_args,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

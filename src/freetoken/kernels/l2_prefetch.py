@@ -59,10 +59,6 @@ class Span:
     bytes: torch.Tensor  # [>= num_lines * LINE - LINE + 1] uint8 view of the weight's storage
     num_lines: int
 
-    def extra_rows(self, programs_per_row: int) -> int:
-        """Rows to append to a launch's grid axis 0 whose other axes hold programs_per_row programs."""
-        return triton.cdiv(PROGRAMS, programs_per_row)
-
 
 def span(weight: torch.Tensor | None, rows: int, max_bytes: int) -> Span | None:
     """The prefetch of weight's first max_bytes by a launch over `rows` rows, or None where it does
@@ -74,11 +70,12 @@ def span(weight: torch.Tensor | None, rows: int, max_bytes: int) -> Span | None:
     return Span(flat, triton.cdiv(nbytes, LINE))
 
 
-def launch_args(prefetch: Span | None, fallback: torch.Tensor) -> dict:
-    """The kernel arguments of an optional prefetch: pf_ptr, pf_lines and the PREFETCH constexpr."""
+def launch_args(prefetch: Span | None, programs_per_row: int, fallback: torch.Tensor) -> tuple[int, dict]:
+    """(rows to append to a launch's grid axis 0, whose other axes hold programs_per_row programs;
+    the kernel arguments pf_ptr, pf_lines and PREFETCH) of an optional prefetch."""
     if prefetch is None:
-        return {"pf_ptr": fallback, "pf_lines": 0, "PREFETCH": False}
-    return {"pf_ptr": prefetch.bytes, "pf_lines": prefetch.num_lines, "PREFETCH": True}
+        return 0, {"pf_ptr": fallback, "pf_lines": 0, "PREFETCH": False}
+    return triton.cdiv(PROGRAMS, programs_per_row), {"pf_ptr": prefetch.bytes, "pf_lines": prefetch.num_lines, "PREFETCH": True}
 
 
 @triton.jit

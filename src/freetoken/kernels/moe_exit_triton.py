@@ -97,11 +97,11 @@ class PendingCombine(NamedTuple):
         s = torch.empty_like(residual)
         h = torch.empty_like(residual)
         if n:
-            extra = prefetch.extra_rows(1) if prefetch is not None else 0
+            extra, pf_args = l2_prefetch.launch_args(prefetch, 1, s)
             _combine_add_norm_kernel[(n + extra,)](
                 self.rows, self.experts, self.weights, self.shared_gate, residual, weight.contiguous(), s, h,
                 hidden, self.rows.stride(0), self.shared_gate.stride(0), residual.stride(0), s.stride(0), h.stride(0), eps,
-                num_tokens=n, **l2_prefetch.launch_args(prefetch, s),
+                num_tokens=n, **pf_args,
                 TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=row_k, BLOCK_H=triton.next_power_of_2(hidden),
                 num_warps=norm_triton.ADD_NORM_WARPS, **pdl.launch_kwargs(),
             )

@@ -122,17 +122,16 @@ def add_norm_route(
     s, h = torch.empty_like(residual), torch.empty_like(residual)
     logits = torch.empty((n, num_gates), dtype=dtype, device=device)
     counters = _token_counters(device)
+    gate_programs = triton.cdiv(num_gates, GATE_ROWS)
     for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):  # direct blocks (T <= DIRECT_MAX_ROWS) take one launch
         tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
-        gate_programs = triton.cdiv(num_gates, GATE_ROWS)
-        pf = prefetch if t0 == 0 else None
-        extra = pf.extra_rows(gate_programs) if pf is not None else 0
+        extra, pf_args = l2_prefetch.launch_args(prefetch if t0 == 0 else None, gate_programs, s)
         _add_norm_route_kernel[(tokens + extra, gate_programs)](
             x[t0:] if not x_split else x[:, t0:], residual[t0:], norm_weight, s[t0:], h[t0:],
             gates, logits[t0:], counters,
             out.experts[t0:], out.weights[t0:], *out.block_ptrs,
             hidden, num_gates, num_experts, eps, stride_x, stride_xs, residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
-            out.rows, first, out.count, num_tokens=tokens, **l2_prefetch.launch_args(pf, s),
+            out.rows, first, out.count, num_tokens=tokens, **pf_args,
             X_SPLIT=x_split, BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, ROUTE=not gemm_route,
             num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
         )

@@ -654,15 +654,15 @@ def moe_experts_with_shared(
     assert x.dtype == gate_up.dtype == down.dtype, f"moe_experts_with_shared: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
     assert experts.shape[1] == weights.shape[1] + 1, f"moe_experts_with_shared: experts {tuple(experts.shape)}, weights {tuple(weights.shape)}"
     n, hidden = x.shape
-    y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     if n == 0:
-        return y
+        return torch.empty((0, hidden), dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     experts = experts.contiguous()
     row_k = experts.shape[1]
     out = torch.empty((n * row_k, hidden), dtype=x.dtype, device=x.device)
     shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
-    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
     defer = defer_combine and COMBINE_IN_NEXT_NORM and n <= COMBINE_IN_DOWN_MAX_TOKENS
+    y = shared if defer else torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # deferred: no combine writes y (an unread stand-in)
+    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
     _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
     return PendingCombine(out, experts, combine.weights, shared_gate) if defer else y

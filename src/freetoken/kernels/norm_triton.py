@@ -167,10 +167,10 @@ def add_zc_rms_norm(x, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     s = torch.empty_like(residual)
     y = torch.empty_like(residual)
     if n:
-        extra = prefetch.extra_rows(1) if prefetch is not None else 0
+        extra, pf_args = l2_prefetch.launch_args(prefetch, 1, s)
         _add_zc_rms_norm_kernel[(n + extra,)](
             x, residual, weight.contiguous(), s, y, d, stride_x, stride_xs, residual.stride(0), s.stride(0), y.stride(0), eps,
-            num_rows=n, **l2_prefetch.launch_args(prefetch, s), X_SPLIT=x_split, BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, ADD_NORM_WARPS), **pdl.launch_kwargs(),
+            num_rows=n, **pf_args, X_SPLIT=x_split, BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, ADD_NORM_WARPS), **pdl.launch_kwargs(),
         )
     return s, y
 

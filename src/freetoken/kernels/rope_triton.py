@@ -95,12 +95,12 @@ def norm_rope_store(
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return q_out
-    extra = prefetch.extra_rows(hq + hkv) if prefetch is not None else 0
+    extra, pf_args = l2_prefetch.launch_args(prefetch, hq + hkv, q_out)
     _norm_rope_kernel[(n + extra, hq + hkv)](
         q, k, v, q_weight, k_weight, positions, inv_freq, slot_mapping, q_out, k_cache, v_cache,
         hq, d, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), num_rows=n, **l2_prefetch.launch_args(prefetch, q_out),
+        k_cache.stride(0), k_cache.stride(1), num_rows=n, **pf_args,
         ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return q_out
