@@ -247,38 +247,6 @@ def with_shared(experts, num_experts):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split", [2, 3])
-def test_gate_up_slice_programs_have_the_bits_of_slices_in_turn(device, dtype, split, monkeypatch):
-    """gate_up's K slices as programs of their own (down adding their partials) == the slices run in
-    turn by one program, bit for bit, on both layouts; the slicing is a function of (H, K step) alone.
-    On the CPU a 32-wide K step gives the small shape's H = 64 two slices in bf16 too."""
-    if device == "cpu":
-        monkeypatch.setattr(moe_triton, "GATE_UP_BLOCK_K", 32)
-    monkeypatch.setattr(moe_triton, "GATE_UP_SPLIT", split)
-    h = shape(device)[0]
-    block_k = moe_triton.FP32_BLOCK_K if dtype == torch.float32 else moe_triton.GATE_UP_BLOCK_K
-    slices, k_per_slice = moe_triton.gate_up_slices(h, block_k)
-    assert slices == min(split, h // block_k) > 1 and k_per_slice % block_k == 0 and (slices - 1) * k_per_slice < h
-    gate_up, down = stacked_for(device, dtype)
-    x, experts, w = routing(3, device, dtype, seed=11)
-    experts = with_shared(experts, gate_up.shape[0] - 1).to(torch.int32).contiguous()
-    g = torch.randn(3, 1, generator=torch.Generator().manual_seed(11)).to(dtype).to(device)
-    count = gate_up.shape[0]
-    assert experts.numel() <= moe_triton.SLICE_PROGRAMS_MAX_ROWS
-    for blocks in (moe_triton.direct_blocks(experts, 0, count), moe_triton.align(experts, 0, count)):
-        run = lambda: moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g, blocks)  # noqa: E731
-        monkeypatch.setattr(moe_triton, "SLICE_PROGRAMS_MAX_ROWS", 64)
-        sliced = run()
-        monkeypatch.setattr(moe_triton, "SLICE_PROGRAMS_MAX_ROWS", 0)
-        in_turn = run()
-        assert torch.equal(sliced, in_turn), f"{type(blocks).__name__}: one-slice programs differ from slices in turn"
-        monkeypatch.setattr(moe_triton, "GATE_UP_SPLIT", 1)
-        torch.testing.assert_close(run(), sliced, rtol=TOL[dtype], atol=TOL[dtype])
-        monkeypatch.setattr(moe_triton, "GATE_UP_SPLIT", split)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_shared_expert_stacked(device, dtype):
     """The shared expert as expert E == the fp64 oracle (fp32), the torch reference, and the routed
     experts plus the dense shared MLP on the Triton kernels (linear, silu_mul, linear); rows invariant."""

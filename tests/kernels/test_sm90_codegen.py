@@ -28,23 +28,17 @@ def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
 
 m, lt = moe_triton, linear_triton
 i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
-def gate_up(slice_programs, route_here, stages):
-    return ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "part_ptr": "*fp32"} | i32
-               | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16"},
-               ("T", "H", "I", "C", "k_per_slice", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E"),
-               dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
-                    SPLIT=m.gate_up_slices(2048, m.GATE_UP_BLOCK_K)[0], SLICE_PROGRAMS=slice_programs,
-                    ROUTE_HERE=route_here, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, PDL=True),
-               {"num_warps": m.GATE_UP_WARPS, "num_stages": stages}, unspecialised=("T", "stride_l", "E"))
-
 built = {
-    "gate_up": gate_up(True, True, m.GATE_UP_SLICE_STAGES),  # decode: one slice a program, routing in the launch
-    "gate_up_slices_in_turn": gate_up(False, False, m.GATE_UP_STAGES),  # aligned rows: the slices in turn
-    "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "part_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
+    "gate_up": ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32
+                   | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16"},
+                   ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E"),
+                   dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
+                        ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, PDL=True),
+                   {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}, unspecialised=("T", "stride_l", "E")),
+    "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
                 | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16"},
                 ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E"),
-                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False,
-                     SPLIT=m.gate_up_slices(2048, m.GATE_UP_BLOCK_K)[0], FROM_PARTS=True, COMBINE=True, TOP_K=8, TOP_K_POW2=8,
+                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=True, TOP_K=8, TOP_K_POW2=8,
                      ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, ROUTE_HERE=True, BLOCK_E=256, PDL=True),
                 {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "stride_l", "E")),
 }
@@ -67,7 +61,7 @@ def counts():
     return json.loads(sm90_build.run(_BUILD))
 
 
-@pytest.mark.parametrize("kernel", ["gate_up", "gate_up_slices_in_turn", "down", "linear", "linear_conv"])
+@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv"])
 def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
     wgmma, mma_sync = counts[kernel]
     assert wgmma > 0 and mma_sync == 0, f"{kernel}: {wgmma} wgmma, {mma_sync} mma.sync"

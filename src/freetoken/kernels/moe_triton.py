@@ -45,12 +45,7 @@ Kernels:
   align     `_align_kernel` (aligned layout only, above).
   gate_up   `_gate_up_kernel`: per (row block, feature tile of I) the gate and up tiles of that
             block's expert, then silu(gate) * up -> hidden [blocks * BLOCK_M, I], with the roundings
-            of the dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype). K is summed in
-            `gate_up_slices` slices (fp32 from zero each, added in slice order). Up to
-            SLICE_PROGRAMS_MAX_ROWS routed rows each (row block, tile, slice) is a program that stores
-            its fp32 partials [slices, blocks * BLOCK_M, 2I] and down adds them and applies silu * up
-            as it loads its operand: at decode the few selected experts stream over slices x more
-            programs. Above that one program runs its slices in turn. The same sums, the same bits.
+            of the dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
   down      `_down_kernel`: hidden @ down[e]^T -> out [T, H] in x.dtype, scattered back to flat rows.
   combine   `_combine_tile`: per token, its routed (first top_k) experts held here in ascending
             id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
@@ -65,10 +60,10 @@ Kernels:
             `moe_experts_with_shared(defer_combine=True)`). Elementwise per (token, feature), so all
             give the same bits.
 
-Row invariance (DESIGN.md invariant 5): every GEMM tile walks K (each gate_up slice) from its start
-upwards in BLOCK_K steps with fp32 accumulation and one configuration per dtype, the token count is
-not specialised on, routing is per token, and a row's values never mix with another row's, so a
-token gets the same bits whatever shares the launch, in either layout. Decode reads only the selected experts' weights, over enough
+Row invariance (DESIGN.md invariant 5): every GEMM tile walks K from 0 upwards in BLOCK_K steps with
+fp32 accumulation and one configuration per dtype, the token count is not specialised on, routing is
+per token, and a row's values never mix with another row's, so a token gets the same bits whatever
+shares the launch, in either layout. Decode reads only the selected experts' weights, over enough
 programs (row blocks x feature tiles) to fill the GPU.
 """
 
@@ -97,13 +92,6 @@ DIRECT_MAX_ROWS = 32
 # K steps and 3 stages 2.571 against 2.590 at 64 and 5 (logs/variants-35b-899fab2.jsonl). Narrower
 # masked tiles that give every SM the same work were slower (logs/variants-35b-1f1fad3.jsonl).
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
-# gate_up sums K in GATE_UP_SPLIT slices (`gate_up_slices`): fp32 partials over K blocks [s * k_per_slice,
-# (s + 1) * k_per_slice), added in slice order. Up to SLICE_PROGRAMS_MAX_ROWS routed rows each slice is a
-# program of its own (more programs streaming the few selected experts) that stores its partials, and
-# down adds them as it loads its operand; above that each program runs the slices in turn. Same bits.
-GATE_UP_SPLIT = 2
-GATE_UP_SLICE_STAGES = 3  # pipeline stages of a one-slice program (two programs an SM)
-SLICE_PROGRAMS_MAX_ROWS = 64
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
@@ -260,57 +248,23 @@ def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: t
     return token, tl.where(slot < TOP_K, e, E), ids, w
 
 
-@triton.jit
-def _gate_up_slice(x_ptr, w, tokens, valid, cols, k_begin, k_end, I, stride_xm, stride_wn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """fp32 (gate, up) tiles [BLOCK_N, BLOCK_M] of features `cols` of one expert (weights `w`) over K in
-    [k_begin, k_end), BLOCK_K at a time from k_begin up, from zero. Transposed tiles: the weight tile
-    is the dot's left operand (wgmma on sm_90)."""
-    ks = tl.arange(0, BLOCK_K)
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        kk = k0 + ks
-        x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < k_end), other=0.0)
-        w_mask = (cols[:, None] < I) & (kk[None, :] < k_end)
-        wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
-        wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
-        if DOT_F32:
-            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
-        acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
-    return acc_gate, acc_up
-
-
-@triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up from fp32 sums, with the rounding steps of the reference (and of the dense MLP's
-    linear + silu_mul): gate and up to dtype, silu to dtype, the product to dtype."""
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, part_ptr, sorted_ids_ptr, block_expert_ptr,
-    T, H, I, C, k_per_slice,
+    x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
+    T, H, I, C,
     stride_xm, stride_we, stride_wn, stride_hm,
     # routing here (ROUTE_HERE, `GemmRoute`): the router logits, and the routing this launch writes
     logits_ptr, experts_ptr, weights_ptr, stride_l, E,
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLIT: tl.constexpr, SLICE_PROGRAMS: tl.constexpr,
     ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)  # the K slice (SLICE_PROGRAMS), else 0
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTE_HERE:  # block pid_m holds flat row pid_m alone (direct layout, every expert held)
         token, e, route_ids, route_w = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K)
-        if (pid_n == 0) & (pid_s == 0) & (pid_m % ROW_K == 0):  # the token's routing, for the combine
+        if (pid_n == 0) & (pid_m % ROW_K == 0):  # the token's routing, for the combine
             _store_routing(experts_ptr, weights_ptr, token, route_ids, route_w, E, TOP_K, TOP_K_POW2, ROW_K)
         ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, T)
     else:
@@ -321,30 +275,33 @@ def _gate_up_kernel(
     valid = ids < T
     tokens = (ids // ROW_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
-    if SLICE_PROGRAMS:  # this slice's partials [SPLIT, blocks * BLOCK_M, 2I]: down adds the slices
-        k_begin = pid_s * k_per_slice
-        acc_gate, acc_up = _gate_up_slice(x_ptr, w, tokens, valid, cols, k_begin, tl.minimum(k_begin + k_per_slice, H), I,
-                                          stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-        part = part_ptr + (pid_s * tl.num_programs(0) * BLOCK_M + rows[None, :]).to(tl.int64) * (2 * I) + cols[:, None]
-        tl.store(part, acc_gate, mask=valid[None, :] & (cols[:, None] < I))
-        tl.store(part + I, acc_up, mask=valid[None, :] & (cols[:, None] < I))
-    else:  # the slices in turn, their sums added in slice order
-        acc_gate, acc_up = _gate_up_slice(x_ptr, w, tokens, valid, cols, 0, tl.minimum(k_per_slice, H), I,
-                                          stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-        for s in range(1, SPLIT):
-            k_begin = s * k_per_slice
-            slice_gate, slice_up = _gate_up_slice(x_ptr, w, tokens, valid, cols, k_begin, tl.minimum(k_begin + k_per_slice, H), I,
-                                                  stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-            acc_gate += slice_gate
-            acc_up += slice_up
-        h = _silu_mul(acc_gate, acc_up, h_ptr.dtype.element_ty)
-        tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], h, mask=cols[:, None] < I)
+    # Transposed tiles [BLOCK_N, BLOCK_M]: the weight tile is the dot's left operand (wgmma on sm_90).
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
+        w_mask = (cols[:, None] < I) & (kk[None, :] < H)
+        wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+        if DOT_F32:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
+    # The rounding steps of the reference (and of the dense MLP's linear + silu_mul): gate/up to
+    # x.dtype, silu to x.dtype, product to x.dtype.
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
 
 
 @triton.jit(do_not_specialize=["T", "N"])
 def _down_kernel(
-    h_ptr, part_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
+    h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     T, H, I, C,
     stride_hm, stride_we, stride_wn, stride_om,
     # the combine, when COMBINE: as _combine_kernel's, plus the per-feature-tile arrival counters
@@ -352,7 +309,6 @@ def _down_kernel(
     N, first, stride_sm, stride_gm, stride_ym,
     logits_ptr, stride_l, E,  # routing here (ROUTE_HERE, `GemmRoute`)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLIT: tl.constexpr, FROM_PARTS: tl.constexpr,  # the operand from gate_up's slice partials (SLICE_PROGRAMS)
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
     ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -375,18 +331,7 @@ def _down_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + ks
-            a_mask = valid[None, :] & (kk[:, None] < I)
-            if FROM_PARTS:  # [SPLIT, blocks * BLOCK_M, 2I]: the slices added in order, then gate_up's epilogue
-                part = part_ptr + rows[None, :].to(tl.int64) * (2 * I) + kk[:, None]
-                slice_stride = tl.num_programs(0).to(tl.int64) * BLOCK_M * (2 * I)
-                gate = tl.load(part, mask=a_mask, other=0.0)
-                up = tl.load(part + I, mask=a_mask, other=0.0)
-                for s in tl.static_range(1, SPLIT):
-                    gate += tl.load(part + s * slice_stride, mask=a_mask, other=0.0)
-                    up += tl.load(part + s * slice_stride + I, mask=a_mask, other=0.0)
-                a = _silu_mul(gate, up, h_ptr.dtype.element_ty)
-            else:
-                a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=a_mask, other=0.0)
+            a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
             wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
             if DOT_F32:
                 a, wd = a.to(tl.float32), wd.to(tl.float32)
@@ -480,14 +425,6 @@ class GemmRoute(NamedTuple):
     rows: int  # T = N * (top_k + 1)
     first: int  # 0
     count: int  # E + 1
-
-
-def gate_up_slices(hidden: int, block_k: int) -> tuple[int, int]:
-    """(slices, K per slice) of gate_up's sum over `hidden`: whole K blocks, at most GATE_UP_SPLIT slices.
-    A function of the weight's shape and the K step alone, never of the rows."""
-    k_blocks = triton.cdiv(hidden, block_k)
-    k_per_slice = triton.cdiv(k_blocks, max(1, min(GATE_UP_SPLIT, k_blocks))) * block_k
-    return triton.cdiv(hidden, k_per_slice), k_per_slice
 
 
 def is_direct(rows: int) -> bool:
@@ -645,34 +582,24 @@ def _expert_rows(
         nb, logits, num_experts = block_expert.shape[0], x, count  # unread stand-ins
     routing = dict(TOP_K=meta["TOP_K"], TOP_K_POW2=meta["TOP_K_POW2"], BLOCK_E=triton.next_power_of_2(num_experts), ROUTE_HERE=route_here)
     fp32 = x.dtype == torch.float32
-    gate_up_block_k = FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K
-    split, k_per_slice = gate_up_slices(hidden, gate_up_block_k)
-    slice_programs = split > 1 and rows <= SLICE_PROGRAMS_MAX_ROWS
-    if slice_programs:  # gate_up's slice partials; down adds them (no hidden rows)
-        parts = torch.empty((split, nb * BLOCK_M, two_i), dtype=torch.float32, device=x.device)
-        hidden_rows = x  # unread stand-in
-    else:
-        hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-        parts = hidden_rows  # unread stand-in
-    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N), split if slice_programs else 1)](
-        x, gate_up, hidden_rows, parts, sorted_ids, block_expert,
-        rows, hidden, inter, count, k_per_slice,
+    hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+        x, gate_up, hidden_rows, sorted_ids, block_expert,
+        rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
         logits, combine.experts, combine.weights, logits.stride(0), num_experts,
-        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=gate_up_block_k, DOT_F32=INTERPRET,
-        SPLIT=split, SLICE_PROGRAMS=slice_programs, **routing, num_warps=GATE_UP_WARPS,
-        num_stages=GATE_UP_SLICE_STAGES if slice_programs else GATE_UP_STAGES, **pdl.launch_kwargs(),
+        ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
+        **routing, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
     _down_kernel[(nb, feature_tiles)](
-        hidden_rows, parts, down, out, sorted_ids, block_expert,
+        hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        SPLIT=split, FROM_PARTS=slice_programs,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"],
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
