@@ -12,6 +12,7 @@ fresh engine (so its CUDA graphs are captured with the variant) and times a gree
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 
@@ -39,8 +40,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="times each variant is run, interleaved")
+    ap.add_argument("--layers", type=int, default=0, help="keep the shape's first LAYERS layers (a GPU with less memory than the whole shape needs)")
     args = ap.parse_args()
     cfg = SHAPES[args.shape]
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers, layer_types=cfg.layer_types[: args.layers])
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 256),
                           max_model_len=args.prompt_len + args.new_tokens + 2)
     model = random_model(cfg, "cuda", torch.bfloat16, with_mtp=False)
