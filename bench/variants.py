@@ -44,7 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     cfg = SHAPES[args.shape]
     if args.layers:
-        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers, layer_types=cfg.layer_types[: args.layers])
+        layer_types = cfg.layer_types[: args.layers]
+        cfg = dataclasses.replace(cfg, num_hidden_layers=len(layer_types), layer_types=layer_types)
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=max(args.prompt_len, 256),
                           max_model_len=args.prompt_len + args.new_tokens + 2)
     model = random_model(cfg, "cuda", torch.bfloat16, with_mtp=False)
