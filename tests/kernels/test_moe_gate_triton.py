@@ -89,6 +89,9 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, monkeypat
     gate_up, down = stacked_for(device, torch.bfloat16)
     x, residual, norm_w = _inputs(tokens, hidden, torch.bfloat16, device, seed=tokens)
     gates = (torch.randn(num_experts + 1, hidden, generator=torch.Generator().manual_seed(5)) / 8).to(torch.bfloat16).to(device)
+    rows = tokens * (top_k + 1)
+    ready = moe_triton.row_ready_counters(torch.device(device))
+    ready_before = ready[:rows].clone()
     results = {}
     for route_in_gemms in (True, False):
         monkeypatch.setattr(moe_gate_triton, "ROUTE_IN_GEMMS", route_in_gemms)
@@ -100,3 +103,9 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, monkeypat
         results[route_in_gemms] = (y, experts.clone(), weights.clone(), exit_s, exit_h)
     for got, want in zip(results[True], results[False]):
         assert torch.equal(got, want)
+    # Each GemmRoute gate_up + down pair (two here) takes every row's ready counter up by one PERIOD
+    # (moe_triton.DOWN_WAITS_FOR_ROW), and no other row's.
+    up_tiles = -(-gate_up.shape[1] // 2 // moe_triton.GATE_UP_BLOCK_N)
+    down_tiles = -(-hidden // moe_triton.DOWN_BLOCK_N)
+    period = 1 << (up_tiles + down_tiles - 1).bit_length()
+    assert torch.equal(ready[:rows] - ready_before, torch.full_like(ready_before, 2 * period))

@@ -54,13 +54,24 @@ EARLY_READS = {  # kernel -> the loads it may issue before its wait
 def test_kernel_touches_memory_only_after_the_grid_dependency_wait(name):
     source = inspect.getsource(KERNELS[name].fn)
     assert "PDL: tl.constexpr" in source
-    before, sync, _ = source.partition("    pdl.sync(PDL)\n")
-    assert sync, f"{name} must call pdl.sync(PDL)"
+    assert "    pdl.sync(PDL)\n" in source, f"{name} must call pdl.sync(PDL)"
+    # A launch may instead wait on its producers' counters (pdl.wait_count): whichever wait comes first.
+    before = source[: min(i for i in (source.find("    pdl.sync(PDL)\n"), source.find("pdl.wait_count(")) if i >= 0)]
     for read in EARLY_READS.get(name, []):
         assert read in before, f"{name}: {read} is listed but not found before the wait"
         before = before.replace(read, "", 1)
     for access in ("tl.load", "tl.store", "tl.atomic", "tl.histogram"):
         assert access not in before, f"{name}: {access} before pdl.sync(PDL)"
+
+
+@pytest.mark.parametrize("name", sorted(name for name in KERNELS if "pdl.wait_count(" in inspect.getsource(KERNELS[name].fn)))
+def test_a_launch_that_waits_on_counters_releases_first_and_waits_for_the_grid_last(name):
+    """Before spinning on a counter it lets the next kernel launch, and it ends with the grid wait, so
+    the next kernel's wait still covers every launch before it (pdl.py)."""
+    source = inspect.getsource(KERNELS[name].fn)
+    spin = source.find("pdl.wait_count(")
+    assert -1 < source.find("pdl.release(PDL)") < spin < source.rfind("pdl.finish(PDL)")
+    assert source.rstrip().endswith("pdl.finish(PDL)")
 
 
 _SM90_PTX = """

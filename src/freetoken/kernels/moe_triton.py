@@ -93,6 +93,13 @@ DIRECT_MAX_ROWS = 32
 # masked tiles that give every SM the same work were slower (logs/variants-35b-1f1fad3.jsonl).
 GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, GATE_UP_WARPS, GATE_UP_STAGES = 64, 128, 4, 5
 DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
+# With the routing in the GEMMs (GemmRoute), each down program waits for its own row's gate_up tiles
+# instead of the whole gate_up grid, so down starts on the rows that are done while the last gate_up
+# tiles stream: a counter per routed row (`row_ready_counters`) that each gate_up program raises by one
+# once its tile is stored; down's programs wait for it to reach gate_up's tile count and then raise it
+# up to the next multiple of PERIOD = next_pow2(gate_up tiles + down tiles), where every use leaves it
+# (pdl.wait_count).
+DOWN_WAITS_FOR_ROW = True
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
@@ -255,8 +262,9 @@ def _gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_hm,
     # routing here (ROUTE_HERE, `GemmRoute`): the router logits, and the routing this launch writes
     logits_ptr, experts_ptr, weights_ptr, stride_l, E,
+    ready_ptr,  # ROW_READY: a counter per routed row, raised once per stored tile
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -297,6 +305,9 @@ def _gate_up_kernel(
     up = acc_up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
+    if ROW_READY:  # this tile of row pid_m is stored: down's programs of the row count it (pdl.wait_count)
+        tl.debug_barrier()  # every thread's part of the tile is stored before the counter moves
+        tl.atomic_add(ready_ptr + pid_m, 1, sem="release", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["T", "N"])
@@ -308,9 +319,10 @@ def _down_kernel(
     experts_ptr, weights_ptr, shared_ptr, gate_ptr, y_ptr, counter_ptr,
     N, first, stride_sm, stride_gm, stride_ym,
     logits_ptr, stride_l, E,  # routing here (ROUTE_HERE, `GemmRoute`)
+    ready_ptr, up_tiles,  # ROW_READY: wait for row pid_m's counter to reach gate_up's feature tiles (mod PERIOD)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -322,7 +334,13 @@ def _down_kernel(
     else:
         e = tl.load(block_expert_ptr + pid_m)
         ids = tl.load(sorted_ids_ptr + rows)
-    pdl.sync(PDL)
+    if ROW_READY:  # only this row's gate_up tiles, not the whole gate_up grid (pdl.py)
+        pdl.release(PDL)
+        pdl.wait_count(ready_ptr + pid_m, up_tiles, PERIOD)
+        # Past the wait: together the row's programs take its counter to the next multiple of PERIOD.
+        tl.atomic_add(ready_ptr + pid_m, tl.where(pid_n == 0, PERIOD - up_tiles - tl.num_programs(1) + 1, 1), sem="relaxed", scope="gpu")
+    else:
+        pdl.sync(PDL)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if e < C:
         valid = ids < T
@@ -350,6 +368,8 @@ def _down_kernel(
                     TOP_K, TOP_K_POW2, ROW_K, SHARED, ".cg",
                 )
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    if ROW_READY:
+        pdl.finish(PDL)
 
 
 @triton.jit
@@ -435,6 +455,18 @@ def is_direct(rows: int) -> bool:
 def max_blocks(num_experts: int, rows: int) -> int:
     """Upper bound on the row blocks of `rows` routed rows over `num_experts` experts, aligned (host-side)."""
     return min(num_experts, rows) + rows // BLOCK_M + 1
+
+
+_row_ready: dict[torch.device, torch.Tensor] = {}
+
+
+def row_ready_counters(device: torch.device) -> torch.Tensor:
+    """int32 [DIRECT_MAX_ROWS]: a counter per routed row of the `GemmRoute` gate_up and down launches,
+    a multiple of the launches' PERIOD between them (DOWN_WAITS_FOR_ROW); made on first use, before any
+    graph capture."""
+    if device not in _row_ready:
+        _row_ready[device] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
+    return _row_ready[device]
 
 
 def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
@@ -581,15 +613,18 @@ def _expert_rows(
         sorted_ids, block_expert = blocks.sorted_ids, blocks.block_expert
         nb, logits, num_experts = block_expert.shape[0], x, count  # unread stand-ins
     routing = dict(TOP_K=meta["TOP_K"], TOP_K_POW2=meta["TOP_K_POW2"], BLOCK_E=triton.next_power_of_2(num_experts), ROUTE_HERE=route_here)
+    row_ready = route_here and DOWN_WAITS_FOR_ROW
+    ready = row_ready_counters(x.device) if row_ready else logits  # an unread stand-in without
+    up_tiles = triton.cdiv(inter, GATE_UP_BLOCK_N)
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        logits, combine.experts, combine.weights, logits.stride(0), num_experts,
+        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready,
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        **routing, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
+        **routing, ROW_READY=row_ready, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
@@ -598,9 +633,10 @@ def _expert_rows(
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts,
+        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
-        COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"],
+        COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
+        PERIOD=triton.next_power_of_2(up_tiles + feature_tiles),
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:

@@ -30,6 +30,12 @@ After its wait a latency-bound launch may prefetch the first MiB of the next GEM
 from programs of its own that do nothing else (l2_prefetch.py): that paid, where streaming before the
 wait did not.
 
+A launch whose programs each need only part of the previous launch's output may wait for that part
+instead (`release`, `wait_count`, `finish`): it lets the next kernel launch, spins on a counter that
+the previous launch's programs raise with release semantics as they store their part, and waits for
+the previous grid only at its end, so that a kernel waiting on it still finds every launch before
+it finished. The MoE down launch waits so for its row's gate_up tiles (moe_triton.DOWN_WAITS_FOR_ROW).
+
 Off under the interpreter, on GPUs before sm_90, and with FREETOKEN_PDL=0.
 """
 
@@ -67,3 +73,28 @@ def sync(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Let the next kernel launch, without waiting for the previous one (a launch that waits on counters)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_count(count_ptr, target, PERIOD: tl.constexpr):
+    """Spin until the int32 counter at count_ptr reaches target modulo PERIOD (a power of two, the
+    counter's rise over one use, so that it never needs resetting; gpu-scope acquire: the writes made
+    before each raise of the counter are visible after)."""
+    count = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while (count & (PERIOD - 1)) < target:
+        count = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def finish(PDL: tl.constexpr):
+    """The last statement of a launch that waited on counters: wait for the previous grid, so that
+    this launch ends after it (the next kernel's `sync` then covers both)."""
+    if PDL:
+        gdc_wait()
