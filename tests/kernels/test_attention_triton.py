@@ -134,6 +134,24 @@ def test_paged_attention_verify_matches_reference(device, group, dtype, partitio
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [1, 4, 16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_merge_in_the_partition_launch_equals_the_merge_launch(device, group, gated, partition, monkeypatch):
+    """The last partition program of a (row group, KV head) merging its rows gives the merge launch's bits."""
+    num_rows, num_cached = verify_shapes(device)
+    d = 32 if device == "cpu" else 256
+    q, k_cache, v_cache, batch = setup(device, torch.bfloat16, num_rows, num_cached, (2 * group, 2), d, seed=7)
+    gate = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(q.dtype).to(device) if gated else None
+    outs = {}
+    for max_groups in (10**6, 0):
+        monkeypatch.setattr(attention_triton, "MERGE_IN_PARTITION_MAX_GROUPS", max_groups)
+        outs[max_groups] = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, 0.2, gate)
+    assert torch.equal(outs[10**6], outs[0])
+    counters = __import__("freetoken.kernels.linear_triton", fromlist=["arrival_counters"]).arrival_counters(q.device, 1)
+    assert not counters.any(), "the arrival counters are back at zero"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_paged_attention_launches_split_by_whole_groups(device, monkeypatch):
     # A workspace budget below one row forces a launch per row group: the same bits as one launch.
     num_rows, num_cached = verify_shapes(device)

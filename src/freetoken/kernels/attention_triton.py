@@ -31,6 +31,10 @@ or next to any other sequences:
   An entry with no key in the partition uses m = 0, so its e is 0, not NaN.
 - Only entries whose row has a key in the partition are stored, and the merge reads a row's
   partitions p < cdiv(ctx_len, PARTITION) only: exactly those.
+Up to MERGE_IN_PARTITION_MAX_GROUPS row groups (decode and verify batches) the merge runs in the
+partition launch instead: the last program of a (row group, KV head) to store its partition (an
+arrival counter, as in the split-K linear) merges that group's rows for the head's G query heads,
+with the merge kernel's steps entry by entry, so the same bits as the merge launch.
 Rows are launched in runs of whole groups of at most `rows_per_launch` rows (from the workspace
 budget and the shapes alone), which changes no bits either.
 """
@@ -42,13 +46,15 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.batched import SeqBatch
-from freetoken.kernels import pdl
+from freetoken.kernels import linear_triton, pdl
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_N = 64
 PARTITION = 64  # keys per partition: exactly one BLOCK_N block
 NUM_WARPS = 8  # bench/attention_speed.py on the H200 (partition + merge, 576 keys): 6.46 us a call, 7.45 with 4 warps, 6.77 at 32-key partitions
 WORKSPACE_BYTES = 64 << 20
+# The merge in the partition launch up to this many row groups (0: always its own launch).
+MERGE_IN_PARTITION_MAX_GROUPS = 64
 MERGE_WARPS = 8  # 4 or 2 the same within noise in the 35B-A3B step (logs/variants-35b-small-kernels.jsonl)
 
 
@@ -58,7 +64,10 @@ def _partition_kernel(
     group_ptr, row_seq_ptr, ctx_len_ptr, table_ptr,
     G, D, block_size, scale, num_parts, row0,
     q_row, q_head, kv_slot, kv_head, table_row,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    # MERGE: the merge of the (group, KV head) by its last program (arrival counters), into o (and the gate)
+    count_ptr, gate_ptr, o_ptr, gate_row, gate_head, o_row, o_head,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr,
+    MERGE: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
     g = tl.program_id(0)
     h = tl.program_id(1)
@@ -111,6 +120,47 @@ def _partition_kernel(
         tl.store(m_ptr + ws, m, mask=mw)
         tl.store(l_ptr + ws, l, mask=mw)
         tl.store(acc_ptr + ws[:, None] * D + ds[None, :], acc, mask=mw[:, None] & md[None, :])
+    if MERGE:
+        tl.debug_barrier()  # every thread's part of the partition is stored before the counter moves
+        arrived = tl.atomic_add(count_ptr + g * tl.num_programs(1) + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(2) - 1:  # the group's last partition for this KV head
+            tl.debug_barrier()
+            _merge_entries(m_ptr, l_ptr, acc_ptr, gate_ptr, o_ptr, rows, h * G + es % G, me, ctx_len, group_len, row0,
+                           G * tl.num_programs(1), D, num_parts, gate_row, gate_head, o_row, o_head, HAS_GATE, D_PAD, PARTITION)
+            tl.atomic_xchg(count_ptr + g * tl.num_programs(1) + h, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_entries(
+    m_ptr, l_ptr, acc_ptr, gate_ptr, o_ptr, rows, heads, me, ctx_len, group_len, row0,
+    num_q_heads, D, num_parts, gate_row, gate_head, o_row, o_head,
+    HAS_GATE: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr,
+):
+    """`_merge_kernel` for the entries [G_PAD] (row, query head) where `me`, side by side: each entry
+    takes exactly the merge kernel's steps over its own row's partitions, so the same bits."""
+    ds = tl.arange(0, D_PAD)
+    md = ds < D
+    parts = tl.where(me, tl.cdiv(ctx_len, PARTITION), 0)  # [G_PAD]
+    base = ((rows - row0) * num_q_heads + heads) * num_parts
+    m = tl.full(parts.shape, float("-inf"), tl.float32)
+    for p in range(0, tl.cdiv(group_len, PARTITION)):
+        m = tl.maximum(m, tl.load(m_ptr + base + p, mask=p < parts, other=float("-inf"), cache_modifier=".cg"))
+    total = tl.zeros((parts.shape[0], D_PAD), dtype=tl.float32)
+    norm = tl.zeros(parts.shape, dtype=tl.float32)
+    for p in range(0, tl.cdiv(group_len, PARTITION)):
+        mine = p < parts
+        w = tl.exp(tl.load(m_ptr + base + p, mask=mine, other=0.0, cache_modifier=".cg") - m)
+        norm = tl.where(mine, norm + w * tl.load(l_ptr + base + p, mask=mine, other=0.0, cache_modifier=".cg"), norm)
+        part = tl.load(acc_ptr + (base + p)[:, None] * D + ds[None, :], mask=mine[:, None] & md[None, :], other=0.0, cache_modifier=".cg")
+        total = tl.where(mine[:, None], total + w[:, None] * part, total)
+    out = (total / tl.where(me, norm, 1.0)[:, None]).to(o_ptr.dtype.element_ty)
+    offs = rows[:, None].to(tl.int64) * o_row + heads[:, None] * o_head + ds[None, :]
+    if HAS_GATE:
+        gate = tl.load(gate_ptr + rows[:, None].to(tl.int64) * gate_row + heads[:, None] * gate_head + ds[None, :],
+                       mask=me[:, None] & md[None, :], other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate).to(o_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * sig.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + offs, out, mask=me[:, None] & md[None, :])
 
 
 @triton.jit
@@ -177,13 +227,19 @@ def paged_attention(
     acc_ws = torch.empty(rows_ws * num_q_heads * num_parts * d, dtype=torch.float32, device=q.device)
     g = gate if gate is not None else q
     d_pad = max(16, triton.next_power_of_2(d))
+    merge_here = len(sizes) <= MERGE_IN_PARTITION_MAX_GROUPS
+    counters = linear_triton.arrival_counters(q.device, len(sizes) * num_kv_heads) if merge_here else m_ws  # an unread stand-in
     for g0, g1, r0, r1 in _launches(sizes, rows_per_launch):
         _partition_kernel[(g1 - g0, num_kv_heads, num_parts)](
             q, k_cache, v_cache, m_ws, l_ws, acc_ws, groups[g0:], batch.row_seq, batch.context_lens, table,
             group, d, block_size, scale, num_parts, r0,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
-            G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
+            counters, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
+            G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, MERGE=merge_here, HAS_GATE=gate is not None,
+            num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
+        if merge_here:
+            continue
         _merge_kernel[(r1 - r0, num_q_heads)](
             m_ws, l_ws, acc_ws, g[r0:], out[r0:], batch.context_lens[r0:],
             d, num_parts, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
