@@ -356,6 +356,22 @@ def greedy_verify(target_logits: Tensor, drafts: Tensor) -> VerifyResult:
     return _greedy_accept(_argmax(target_logits.reshape(B * k1, V)).view(B, k1), drafts)
 
 
+def greedy_verify_stacked(target_logits: Tensor, drafts: Tensor, last_tokens: Tensor | None = None) -> Tensor:
+    """`greedy_verify` as one [2, B] int64 tensor (accepted_len, next_token), the next tokens also
+    copied into last_tokens[:B] when given: in two Triton launches where the dispatch says so.
+
+    target_logits: [B * (k+1), V] raw logits of any float dtype; drafts: [B, k] int64."""
+    if kernels.use_triton(target_logits):
+        from freetoken.kernels import sampling_triton
+
+        return sampling_triton.greedy_verify(target_logits, drafts, last_tokens)
+    B, k = drafts.shape
+    verified = greedy_verify(target_logits.view(B, k + 1, -1), drafts)
+    if last_tokens is not None:
+        last_tokens[:B].copy_(verified.next_token)
+    return torch.stack([verified.accepted_len, verified.next_token])
+
+
 def _greedy_accept(argmax: Tensor, drafts: Tensor) -> VerifyResult:
     """argmax [B, k+1], drafts [B, k]: accept while the draft is the argmax, then emit the argmax."""
     accepted_len = (drafts == argmax[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B]

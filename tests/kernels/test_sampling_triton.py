@@ -176,3 +176,31 @@ def test_dispatch_samples_the_same_tokens_as_torch(monkeypatch):
     assert torch_out[0][0] == 10 and torch_out[2][0] == 2  # greedy: tie -> 10, both drafts accepted
     for a, b in zip(torch_out, triton_out):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_verify_matches_torch(device, k, dtype):
+    """The two-launch greedy verify vs torch.argmax and the accept rule written out: drafts matching
+    0..k leading rows, a maximum tied across the two chunks (the lower index wins), a NaN row; the
+    next tokens also land in last_tokens."""
+    num_seqs, v = 4, 9000
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randn(num_seqs * (k + 1), v, generator=gen).to(dtype)
+    logits[0, [100, 8500]] = 50.0  # a tie across chunks
+    logits[-1, 8300] = float("nan")
+    argmax = torch.argmax(logits.float(), dim=-1).view(num_seqs, k + 1)
+    assert argmax[0, 0] == 100 and argmax[-1, -1] == 8300
+    drafts = argmax[:, :k].clone()
+    for b in range(num_seqs):  # sequence b matches its first min(b, k) drafts
+        if b < k:
+            drafts[b, b] = (argmax[b, b] + 1) % v
+    last_tokens = torch.full((num_seqs + 2,), -7, dtype=torch.int64, device=device)
+    got = sampling_triton.greedy_verify(logits.to(device), drafts.to(device), last_tokens)
+    accepted = torch.tensor([min(b, k) for b in range(num_seqs)])
+    want = torch.stack([accepted, argmax[torch.arange(num_seqs), accepted]])
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(last_tokens[:num_seqs].cpu(), want[1]) and (last_tokens[num_seqs:] == -7).all()
+    torch_path = sampling.greedy_verify(logits.view(num_seqs, k + 1, v), drafts)
+    assert torch.equal(torch.stack([torch_path.accepted_len, torch_path.next_token]), want)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from freetoken import sampling
+from freetoken import kernels, sampling
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.runner import RowGroup, build_context
@@ -117,6 +117,11 @@ class _Staging(StagingBuffer):
 
 def take_fed_back(input_ids: torch.Tensor, fed_back_rows: torch.Tensor, last_tokens: torch.Tensor) -> None:
     """In place: input_ids[i] = last_tokens[fed_back_rows[i]] where fed_back_rows[i] >= 0 (all on the device)."""
+    if kernels.use_triton(input_ids):
+        from freetoken.kernels import embed_triton
+
+        embed_triton.take_fed_back(input_ids, fed_back_rows, last_tokens)
+        return
     input_ids.copy_(torch.where(fed_back_rows >= 0, last_tokens.index_select(0, fed_back_rows.clamp(min=0)), input_ids))
 
 
@@ -129,7 +134,7 @@ class GraphStep:
     ctx: ForwardContext  # the captured context, kept alive with the graph: its input views and (VERIFY) the stash
     batch: SeqBatch  # the captured batch layout, kept alive with the graph: the device tensors its kernels read
     hidden: torch.Tensor  # [N, H] static output
-    logits: torch.Tensor  # [N, V] static output
+    logits: torch.Tensor  # [N, V] static output (fp32; greedy graphs: the weights' dtype, and unread)
     result: torch.Tensor | None = None  # greedy only: [2, B] int64 (accepted drafts, next token)
     commit_graph: torch.cuda.CUDAGraph | None = None  # sampled VERIFY only: the replay of the accepted rows
     accepted_rows: torch.Tensor | None = None  # [B] int32: rows each sequence commits (VERIFY)
@@ -220,16 +225,15 @@ class DecodeGraphs:
             if feeds_back:
                 take_fed_back(views["input_ids"], views["fed_back_rows"], self.last_tokens)
             hidden = self.model(ctx)
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden, upcast=not greedy)  # greedy: read by the argmax alone
             if not greedy:
                 return hidden, logits, None
-            verified = sampling.greedy_verify(logits.view(num_seqs, rows, -1), ctx.input_ids.view(num_seqs, rows)[:, 1:])
-            if feeds_back:
-                self.last_tokens[:num_seqs].copy_(verified.next_token)
+            drafts = ctx.input_ids.view(num_seqs, rows)[:, 1:]
+            result = sampling.greedy_verify_stacked(logits, drafts, self.last_tokens if feeds_back else None)
             if replay is not None:
-                accepted_rows.copy_(verified.accepted_len + 1)
+                accepted_rows.copy_(result[0] + 1)
                 self.model.commit(ctx, replay)
-            return hidden, logits, torch.stack([verified.accepted_len, verified.next_token])
+            return hidden, logits, result
 
         restore = self._saver(batch)
         graph, (hidden, logits, result) = record_graph(step, self.pool, restore)

@@ -130,6 +130,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return norm_ref.silu_mul(gate_up)
 
 
+def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids]: ids [N] int -> [N, H] rows of weight [V, H]."""
+    if use_triton(weight) and weight.stride(1) == 1:
+        from freetoken.kernels import embed_triton
+
+        return embed_triton.embedding(weight, ids)
+    return weight[ids]
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu") -> torch.Tensor:
     """w * norm(x) * act(gate); x, gate [..., D], weight [D]."""
     if use_triton(x):
@@ -268,6 +277,7 @@ __all__ = [
     "silu_mul",
     "apply_rope",
     "causal_conv1d_batched",
+    "embedding",
     "gated_rms_norm",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",

@@ -7,6 +7,12 @@ of its maximum; NaN beats every number (torch's rule). The lanes, then the chunk
 over the [R, chunks] partials), are combined by "maximum value, then lowest index". That combine
 is exact, so the result equals `torch.argmax` bit for bit whatever the split.
 
+greedy_verify: the argmax's first launch, then one program per request that combines its k + 1 rows'
+chunks as the argmax's second launch does, takes the accepted length (the drafts' leading matches)
+and the next token, and writes both (and, for a one-row step that feeds its tokens forward, the
+next token into `last_tokens`): a greedy CUDA-graph step ends in two launches instead of the
+second argmax launch and the torch ops of `sampling.greedy_verify`.
+
 inverse_cdf: one program per row, three passes over the row's fp32 weights: the row maximum, the
 integer total of the quantized weights, then the count of integer CDF entries <= the threshold
 (see `sampling_ref` for the integer scheme). All sums are int64, hence exact and order-free:
@@ -81,6 +87,65 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     width = triton.next_power_of_2(chunks)
     _argmax_kernel[(r, 1)](vals, idx, out_val, out_idx, chunks, chunks, chunks, CHUNK=width, BLOCK=width, HAS_IDX=True, num_warps=4, **pdl.launch_kwargs())
     return out_idx.view(r)
+
+
+@triton.jit
+def _greedy_verify_kernel(
+    val_ptr, idx_ptr, drafts_ptr, result_ptr, last_ptr,
+    K1, chunks, stride_d, stride_r,
+    K1_POW2: tl.constexpr, CHUNKS_POW2: tl.constexpr, FEED: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl.sync(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    js = tl.arange(0, K1_POW2)
+    cs = tl.arange(0, CHUNKS_POW2)
+    mj = js < K1
+    m = mj[:, None] & (cs[None, :] < chunks)
+    offs = (b * K1 + js)[:, None] * chunks + cs[None, :]
+    v = tl.load(val_ptr + offs, mask=m, other=float("-inf"))  # [K1_POW2, CHUNKS_POW2]: each chunk's best
+    # The argmax's combine of the chunks, row by row: NaN first, else the maximum, then the lowest chunk.
+    is_nan = v != v
+    any_nan = tl.max(is_nan.to(tl.int32), axis=1) > 0
+    top = tl.max(tl.where(is_nan, float("-inf"), v), axis=1)
+    winner = tl.where(any_nan[:, None], is_nan, v == top[:, None])
+    pos = tl.min(tl.where(winner, cs[None, :], CHUNKS_POW2), axis=1)
+    arg = tl.sum(tl.where(cs[None, :] == pos[:, None], tl.load(idx_ptr + offs, mask=m, other=0), 0), axis=1)  # [K1_POW2] int64
+    # Accept while draft j equals the argmax of row j; the next token is the argmax of the first row that differs.
+    drafts = tl.load(drafts_ptr + b * stride_d + js, mask=js < K1 - 1, other=-1)
+    accepted = tl.min(tl.where((js < K1 - 1) & (drafts != arg), js, K1 - 1), axis=0)
+    next_token = tl.sum(tl.where(js == accepted, arg, 0), axis=0)
+    tl.store(result_ptr + b, accepted.to(tl.int64))
+    tl.store(result_ptr + stride_r + b, next_token)
+    if FEED:
+        tl.store(last_ptr + b, next_token)
+
+
+def greedy_verify(
+    logits: torch.Tensor,  # [B * (k + 1), V] any float dtype (the argmax of bf16 equals that of its fp32 copy)
+    drafts: torch.Tensor,  # [B, k] int64
+    last_tokens: torch.Tensor | None = None,  # [>= B] int64: gets the next tokens when given
+) -> torch.Tensor:  # [2, B] int64: (accepted length, next token)
+    """`sampling.greedy_verify` (its accepted_len and next_token, stacked) in two launches."""
+    rows, v = logits.shape
+    num_seqs, k = drafts.shape
+    assert rows == num_seqs * (k + 1) and v > 0, f"greedy_verify: logits {tuple(logits.shape)} for drafts {tuple(drafts.shape)}"
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    drafts = drafts if drafts.stride(-1) == 1 else drafts.contiguous()
+    result = torch.empty(2, num_seqs, dtype=torch.int64, device=logits.device)
+    if num_seqs == 0:
+        return result
+    chunks = triton.cdiv(v, ARGMAX_CHUNK)
+    vals = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+    chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
+    _argmax_kernel[(rows, chunks)](logits, idx, vals, idx, v, logits.stride(0), 0, CHUNK=chunk, BLOCK=min(ARGMAX_BLOCK, chunk), HAS_IDX=False,
+                                   num_warps=4, **pdl.launch_kwargs())
+    feed = last_tokens is not None
+    _greedy_verify_kernel[(num_seqs,)](
+        vals, idx, drafts, result, last_tokens if feed else result, k + 1, chunks, drafts.stride(0), result.stride(0),
+        K1_POW2=triton.next_power_of_2(k + 1), CHUNKS_POW2=triton.next_power_of_2(chunks), FEED=feed, num_warps=4, **pdl.launch_kwargs(),
+    )
+    return result
 
 
 @triton.jit

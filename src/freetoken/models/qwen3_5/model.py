@@ -144,12 +144,14 @@ class Qwen35ForCausalLM(nn.Module):
             x, residual = layer.forward_residual(x, residual, ctx, defer_output=True)
         return add_norm(x, residual, self.model.norm)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
-        """Logits over the whole vocabulary (each rank's slice gathered in rank order)."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [M, H] -> [M, V] fp32
+        """Logits over the whole vocabulary (each rank's slice gathered in rank order); upcast=False
+        leaves them in the weights' dtype (for an argmax alone: it is the same)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         from freetoken import kernels
 
-        return self.parallel.all_gather(kernels.linear(hidden, weight).float())
+        logits = kernels.linear(hidden, weight)
+        return self.parallel.all_gather(logits.float() if upcast else logits)
 
     def commit(self, ctx: ForwardContext, accepted_rows: "list[int] | SeqBatch") -> None:
         """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN state.

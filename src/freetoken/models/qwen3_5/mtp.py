@@ -46,5 +46,6 @@ class Qwen35MTP(nn.Module):
             x = layer(x, ctx)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] fp32
-        return self._target[0].compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [M, H] -> [M, V] fp32
+        """The target's logits (its lm_head)."""
+        return self._target[0].compute_logits(hidden, upcast)
