@@ -361,7 +361,7 @@ def greedy_verify_stacked(target_logits: Tensor, drafts: Tensor, last_tokens: Te
     copied into last_tokens[:B] when given: in two Triton launches where the dispatch says so.
 
     target_logits: [B * (k+1), V] raw logits of any float dtype; drafts: [B, k] int64."""
-    if kernels.use_triton(target_logits):
+    if kernels.TRITON_STEP_GLUE and kernels.use_triton(target_logits):
         from freetoken.kernels import sampling_triton
 
         return sampling_triton.greedy_verify(target_logits, drafts, last_tokens)

@@ -117,7 +117,7 @@ class _Staging(StagingBuffer):
 
 def take_fed_back(input_ids: torch.Tensor, fed_back_rows: torch.Tensor, last_tokens: torch.Tensor) -> None:
     """In place: input_ids[i] = last_tokens[fed_back_rows[i]] where fed_back_rows[i] >= 0 (all on the device)."""
-    if kernels.use_triton(input_ids):
+    if kernels.TRITON_STEP_GLUE and kernels.use_triton(input_ids):
         from freetoken.kernels import embed_triton
 
         embed_triton.take_fed_back(input_ids, fed_back_rows, last_tokens)
@@ -225,7 +225,7 @@ class DecodeGraphs:
             if feeds_back:
                 take_fed_back(views["input_ids"], views["fed_back_rows"], self.last_tokens)
             hidden = self.model(ctx)
-            logits = self.model.compute_logits(hidden, upcast=not greedy)  # greedy: read by the argmax alone
+            logits = self.model.compute_logits(hidden, upcast=not (greedy and kernels.TRITON_STEP_GLUE))  # greedy: read by the argmax alone
             if not greedy:
                 return hidden, logits, None
             drafts = ctx.input_ids.view(num_seqs, rows)[:, 1:]

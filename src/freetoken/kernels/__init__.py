@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
 FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add+norm, gates linear, route; for A/B timing)
+TRITON_STEP_GLUE = True  # embedding, fed-back tokens and greedy verify as Triton kernels, greedy graphs' logits left bf16 (False: torch; for A/B timing)
 
 
 @functools.cache
@@ -132,7 +133,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """weight[ids]: ids [N] int -> [N, H] rows of weight [V, H]."""
-    if use_triton(weight) and weight.stride(1) == 1:
+    if TRITON_STEP_GLUE and use_triton(weight) and weight.stride(1) == 1:
         from freetoken.kernels import embed_triton
 
         return embed_triton.embedding(weight, ids)
