@@ -90,7 +90,10 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, monkeypat
     x, residual, norm_w = _inputs(tokens, hidden, torch.bfloat16, device, seed=tokens)
     gates = (torch.randn(num_experts + 1, hidden, generator=torch.Generator().manual_seed(5)) / 8).to(torch.bfloat16).to(device)
     rows = tokens * (top_k + 1)
-    ready = moe_triton.row_ready_counters(torch.device(device))
+    up_tiles = -(-gate_up.shape[1] // 2 // moe_triton.GATE_UP_BLOCK_N)
+    down_tiles = -(-hidden // moe_triton.DOWN_BLOCK_N)
+    period = 1 << (up_tiles + down_tiles - 1).bit_length()
+    ready = moe_triton.row_ready_counters(torch.device(device), period)
     ready_before = ready[:rows].clone()
     results = {}
     for route_in_gemms in (True, False):
@@ -105,7 +108,11 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, monkeypat
         assert torch.equal(got, want)
     # Each GemmRoute gate_up + down pair (two here) takes every row's ready counter up by one PERIOD
     # (moe_triton.DOWN_WAITS_FOR_ROW), and no other row's.
-    up_tiles = -(-gate_up.shape[1] // 2 // moe_triton.GATE_UP_BLOCK_N)
-    down_tiles = -(-hidden // moe_triton.DOWN_BLOCK_N)
-    period = 1 << (up_tiles + down_tiles - 1).bit_length()
     assert torch.equal(ready[:rows] - ready_before, torch.full_like(ready_before, 2 * period))
+
+
+def test_row_ready_counters_are_kept_apart_per_period():
+    """A counter left at a multiple of 64 is not one of 128: shapes of other periods get their own."""
+    cpu = torch.device("cpu")
+    assert moe_triton.row_ready_counters(cpu, 64) is moe_triton.row_ready_counters(cpu, 64)
+    assert moe_triton.row_ready_counters(cpu, 64) is not moe_triton.row_ready_counters(cpu, 128)

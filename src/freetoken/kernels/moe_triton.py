@@ -457,16 +457,17 @@ def max_blocks(num_experts: int, rows: int) -> int:
     return min(num_experts, rows) + rows // BLOCK_M + 1
 
 
-_row_ready: dict[torch.device, torch.Tensor] = {}
+_row_ready: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def row_ready_counters(device: torch.device) -> torch.Tensor:
+def row_ready_counters(device: torch.device, period: int) -> torch.Tensor:
     """int32 [DIRECT_MAX_ROWS]: a counter per routed row of the `GemmRoute` gate_up and down launches,
-    a multiple of the launches' PERIOD between them (DOWN_WAITS_FOR_ROW); made on first use, before any
-    graph capture."""
-    if device not in _row_ready:
-        _row_ready[device] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
-    return _row_ready[device]
+    a multiple of `period` between them (DOWN_WAITS_FOR_ROW); one set per (device, period), so MoE
+    shapes of other periods never share them; made on first use, before any graph capture."""
+    key = (device, period)
+    if key not in _row_ready:
+        _row_ready[key] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
+    return _row_ready[key]
 
 
 def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
@@ -614,8 +615,10 @@ def _expert_rows(
         nb, logits, num_experts = block_expert.shape[0], x, count  # unread stand-ins
     routing = dict(TOP_K=meta["TOP_K"], TOP_K_POW2=meta["TOP_K_POW2"], BLOCK_E=triton.next_power_of_2(num_experts), ROUTE_HERE=route_here)
     row_ready = route_here and DOWN_WAITS_FOR_ROW
-    ready = row_ready_counters(x.device) if row_ready else logits  # an unread stand-in without
     up_tiles = triton.cdiv(inter, GATE_UP_BLOCK_N)
+    feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
+    period = triton.next_power_of_2(up_tiles + feature_tiles)
+    ready = row_ready_counters(x.device, period) if row_ready else logits  # an unread stand-in without
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
@@ -627,7 +630,6 @@ def _expert_rows(
         **routing, ROW_READY=row_ready, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
-    feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
     _down_kernel[(nb, feature_tiles)](
         hidden_rows, down, out, sorted_ids, block_expert,
@@ -636,7 +638,7 @@ def _expert_rows(
         *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
-        PERIOD=triton.next_power_of_2(up_tiles + feature_tiles),
+        PERIOD=period,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:
