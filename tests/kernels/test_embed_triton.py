@@ -30,3 +30,31 @@ def test_take_fed_back_equals_the_torch_form(device):
     embed_triton.take_fed_back(input_ids, fed_back_rows, last_tokens)
     assert torch.equal(input_ids, want)
     assert input_ids.tolist() == [102, 12, 100, 14, 103]
+
+
+@pytest.mark.parametrize("glue", [True, False])
+def test_step_glue_dispatch_equals_torch(monkeypatch, glue):
+    """kernels.TRITON_STEP_GLUE on (the Triton kernels, CPU interpreter) and off (torch): the embedding
+    gather, the fed-back tokens and the stacked greedy verify give the torch results."""
+    from freetoken import kernels, sampling
+    from freetoken.engine.cuda_graph import take_fed_back
+
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "TRITON_STEP_GLUE", glue)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(50, 40, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([3, 49, 0, 3])
+    assert torch.equal(kernels.embedding(weight, ids), weight[ids])
+    input_ids = torch.tensor([7, 8, 9])
+    take_fed_back(input_ids, torch.tensor([-1, 1, 0]), torch.tensor([20, 21]))
+    assert input_ids.tolist() == [7, 21, 20]
+    num_seqs, k, v = 2, 2, 300
+    logits = torch.randn(num_seqs * (k + 1), v, generator=gen).to(torch.bfloat16)
+    argmax = logits.float().argmax(-1).view(num_seqs, k + 1)
+    drafts = argmax[:, :k].clone()
+    drafts[1, 0] = (argmax[1, 0] + 1) % v  # sequence 0 accepts both drafts, sequence 1 none
+    last_tokens = torch.zeros(4, dtype=torch.int64)
+    got = sampling.greedy_verify_stacked(logits, drafts, last_tokens)
+    want = torch.stack([torch.tensor([2, 0]), torch.stack([argmax[0, 2], argmax[1, 0]])])
+    assert torch.equal(got, want) and torch.equal(last_tokens[:2], want[1])

@@ -79,12 +79,14 @@ def test_a_token_has_the_same_bits_alone_in_a_batch_and_across_launches(device, 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, monkeypatch):
+@pytest.mark.parametrize("row_wait", [True, False])
+def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait, monkeypatch):
     """In the direct layout with the shared expert stacked the entry leaves the routing to gate_up and
     down (`GemmRoute`): the same experts, weights and block output bits as the entry's routing, with
     the combine in the down launch and deferred to the next add + norm."""
     from tests.kernels.test_moe_triton import shape, stacked_for
 
+    monkeypatch.setattr(moe_triton, "DOWN_WAITS_FOR_ROW", row_wait)
     hidden, num_experts, top_k, _ = shape(device)
     gate_up, down = stacked_for(device, torch.bfloat16)
     x, residual, norm_w = _inputs(tokens, hidden, torch.bfloat16, device, seed=tokens)
@@ -107,8 +109,8 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, monkeypat
     for got, want in zip(results[True], results[False]):
         assert torch.equal(got, want)
     # Each GemmRoute gate_up + down pair (two here) takes every row's ready counter up by one PERIOD
-    # (moe_triton.DOWN_WAITS_FOR_ROW), and no other row's.
-    assert torch.equal(ready[:rows] - ready_before, torch.full_like(ready_before, 2 * period))
+    # (moe_triton.DOWN_WAITS_FOR_ROW), and no other row's; without the row wait they stay put.
+    assert torch.equal(ready[:rows] - ready_before, torch.full_like(ready_before, 2 * period if row_wait else 0))
 
 
 def test_row_ready_counters_are_kept_apart_per_period():

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
 FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add+norm, gates linear, route; for A/B timing)
-TRITON_STEP_GLUE = True  # embedding, fed-back tokens and greedy verify as Triton kernels, greedy graphs' logits left bf16 (False: torch; for A/B timing)
+# Embedding, fed-back tokens and greedy verify as Triton kernels, greedy graphs' logits left bf16
+# (False: torch). Off until timed on a GPU (bench/variants.py ... kernels.TRITON_STEP_GLUE=1).
+TRITON_STEP_GLUE = False
 
 
 @functools.cache

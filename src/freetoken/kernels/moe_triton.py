@@ -98,8 +98,8 @@ DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 # tiles stream: a counter per routed row (`row_ready_counters`) that each gate_up program raises by one
 # once its tile is stored; down's programs wait for it to reach gate_up's tile count and then raise it
 # up to the next multiple of PERIOD = next_pow2(gate_up tiles + down tiles), where every use leaves it
-# (pdl.wait_count).
-DOWN_WAITS_FOR_ROW = True
+# (pdl.wait_count). Off until timed on a GPU (bench/variants.py ... moe_triton.DOWN_WAITS_FOR_ROW=1).
+DOWN_WAITS_FOR_ROW = False
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
