@@ -137,7 +137,7 @@ def test_staging_fills_two_host_buffers_in_turn():
 
 
 def test_take_fed_back():
-    from freetoken.engine.cuda_graph import take_fed_back
+    from freetoken.kernels import take_fed_back
 
     input_ids = torch.tensor([-1, -1, 0, 9])
     take_fed_back(input_ids, torch.tensor([2, 0, -1, -1]), torch.tensor([40, 41, 42, 43]))

@@ -37,7 +37,7 @@ def test_step_glue_dispatch_equals_torch(monkeypatch, glue):
     """kernels.TRITON_STEP_GLUE on (the Triton kernels, CPU interpreter) and off (torch): the embedding
     gather, the fed-back tokens and the stacked greedy verify give the torch results."""
     from freetoken import kernels, sampling
-    from freetoken.engine.cuda_graph import take_fed_back
+    from freetoken.kernels import take_fed_back
 
     monkeypatch.setattr(kernels, "MODE", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")

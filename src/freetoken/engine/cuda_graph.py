@@ -115,16 +115,6 @@ class _Staging(StagingBuffer):
         self.upload()
 
 
-def take_fed_back(input_ids: torch.Tensor, fed_back_rows: torch.Tensor, last_tokens: torch.Tensor) -> None:
-    """In place: input_ids[i] = last_tokens[fed_back_rows[i]] where fed_back_rows[i] >= 0 (all on the device)."""
-    if kernels.TRITON_STEP_GLUE and kernels.use_triton(input_ids):
-        from freetoken.kernels import embed_triton
-
-        embed_triton.take_fed_back(input_ids, fed_back_rows, last_tokens)
-        return
-    input_ids.copy_(torch.where(fed_back_rows >= 0, last_tokens.index_select(0, fed_back_rows.clamp(min=0)), input_ids))
-
-
 @dataclass
 class GraphStep:
     """One captured step; its output tensors are rewritten by every replay."""
@@ -223,7 +213,7 @@ class DecodeGraphs:
 
         def step():
             if feeds_back:
-                take_fed_back(views["input_ids"], views["fed_back_rows"], self.last_tokens)
+                kernels.take_fed_back(views["input_ids"], views["fed_back_rows"], self.last_tokens)
             hidden = self.model(ctx)
             logits = self.model.compute_logits(hidden, upcast=not (greedy and kernels.TRITON_STEP_GLUE))  # greedy: read by the argmax alone
             if not greedy:

@@ -142,6 +142,16 @@ def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return weight[ids]
 
 
+def take_fed_back(input_ids: torch.Tensor, fed_back_rows: torch.Tensor, last_tokens: torch.Tensor) -> None:
+    """In place: input_ids[i] = last_tokens[fed_back_rows[i]] where fed_back_rows[i] >= 0 (all [N] on the device)."""
+    if TRITON_STEP_GLUE and use_triton(input_ids):
+        from freetoken.kernels import embed_triton
+
+        embed_triton.take_fed_back(input_ids, fed_back_rows, last_tokens)
+        return
+    input_ids.copy_(torch.where(fed_back_rows >= 0, last_tokens.index_select(0, fed_back_rows.clamp(min=0)), input_ids))
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, act: str = "silu") -> torch.Tensor:
     """w * norm(x) * act(gate); x, gate [..., D], weight [D]."""
     if use_triton(x):
@@ -281,6 +291,7 @@ __all__ = [
     "apply_rope",
     "causal_conv1d_batched",
     "embedding",
+    "take_fed_back",
     "gated_rms_norm",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",

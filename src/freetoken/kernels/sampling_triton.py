@@ -67,20 +67,28 @@ def _argmax_kernel(
     tl.store(idx_out_ptr + row * num_chunks + chunk, out_i)
 
 
+def _chunk_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, V] -> each ARGMAX_CHUNK-column chunk's best (value fp32, index int64), both [R, chunks]:
+    the argmax's first launch (none for R = 0)."""
+    r, v = x.shape
+    chunks = triton.cdiv(v, ARGMAX_CHUNK)
+    vals = torch.empty(r, chunks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(r, chunks, dtype=torch.int64, device=x.device)
+    if r:
+        chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
+        _argmax_kernel[(r, chunks)](x, idx, vals, idx, v, x.stride(0), 0, CHUNK=chunk, BLOCK=min(ARGMAX_BLOCK, chunk), HAS_IDX=False,
+                                    num_warps=4, **pdl.launch_kwargs())
+    return vals, idx
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [R, V] (bf16/fp16/fp32) -> [R] int64: torch.argmax(x, -1), ties to the lowest index."""
     r, v = x.shape
     assert v > 0, "argmax: empty vocabulary"
     x = x if x.stride(-1) == 1 else x.contiguous()
-    chunks = triton.cdiv(v, ARGMAX_CHUNK)
-    vals = torch.empty(r, chunks, dtype=torch.float32, device=x.device)
-    idx = torch.empty(r, chunks, dtype=torch.int64, device=x.device)
-    if r == 0:
-        return idx.view(0)
-    chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
-    block = min(ARGMAX_BLOCK, chunk)
-    _argmax_kernel[(r, chunks)](x, idx, vals, idx, v, x.stride(0), 0, CHUNK=chunk, BLOCK=block, HAS_IDX=False, num_warps=4, **pdl.launch_kwargs())
-    if chunks == 1:
+    vals, idx = _chunk_argmax(x)
+    chunks = idx.shape[1]
+    if r == 0 or chunks == 1:
         return idx.view(r)
     out_val = torch.empty(r, 1, dtype=torch.float32, device=x.device)
     out_idx = torch.empty(r, 1, dtype=torch.int64, device=x.device)
@@ -134,12 +142,8 @@ def greedy_verify(
     result = torch.empty(2, num_seqs, dtype=torch.int64, device=logits.device)
     if num_seqs == 0:
         return result
-    chunks = triton.cdiv(v, ARGMAX_CHUNK)
-    vals = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
-    chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
-    _argmax_kernel[(rows, chunks)](logits, idx, vals, idx, v, logits.stride(0), 0, CHUNK=chunk, BLOCK=min(ARGMAX_BLOCK, chunk), HAS_IDX=False,
-                                   num_warps=4, **pdl.launch_kwargs())
+    vals, idx = _chunk_argmax(logits)
+    chunks = idx.shape[1]
     feed = last_tokens is not None
     _greedy_verify_kernel[(num_seqs,)](
         vals, idx, drafts, result, last_tokens if feed else result, k + 1, chunks, drafts.stride(0), result.stride(0),
