@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
 FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add+norm, gates linear, route; for A/B timing)
 # Embedding, fed-back tokens and greedy verify as Triton kernels, greedy graphs' logits left bf16
-# (False: torch). Off until timed on a GPU (bench/variants.py ... kernels.TRITON_STEP_GLUE=1).
-TRITON_STEP_GLUE = False
+# (False: torch). 35B-A3B decode step cut to 24 layers on an H100: 1.844 / 1.839 ms with them against
+# 1.855 / 1.848 (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
+TRITON_STEP_GLUE = True
 
 
 @functools.cache

@@ -53,8 +53,9 @@ BLOCK_N = 64
 PARTITION = 64  # keys per partition: exactly one BLOCK_N block
 NUM_WARPS = 8  # bench/attention_speed.py on the H200 (partition + merge, 576 keys): 6.46 us a call, 7.45 with 4 warps, 6.77 at 32-key partitions
 WORKSPACE_BYTES = 64 << 20
-# The merge in the partition launch up to this many row groups (0: always its own launch). Off until
-# timed on a GPU (bench/variants.py ... attention_triton.MERGE_IN_PARTITION_MAX_GROUPS=64).
+# The merge in the partition launch up to this many row groups (0: always its own launch). Off: slower
+# in the 35B-A3B decode step cut to 24 layers on an H100, 1.871 / 1.869 ms at 64 against 1.855 / 1.848
+# (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
 MERGE_IN_PARTITION_MAX_GROUPS = 0
 MERGE_WARPS = 8  # 4 or 2 the same within noise in the 35B-A3B step (logs/variants-35b-small-kernels.jsonl)
 

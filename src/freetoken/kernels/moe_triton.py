@@ -98,8 +98,9 @@ DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 # tiles stream: a counter per routed row (`row_ready_counters`) that each gate_up program raises by one
 # once its tile is stored; down's programs wait for it to reach gate_up's tile count and then raise it
 # up to the next multiple of PERIOD = next_pow2(gate_up tiles + down tiles), where every use leaves it
-# (pdl.wait_count). Off until timed on a GPU (bench/variants.py ... moe_triton.DOWN_WAITS_FOR_ROW=1).
-DOWN_WAITS_FOR_ROW = False
+# (pdl.wait_count). 35B-A3B decode step cut to 24 layers on an H100: 1.836 / 1.834 ms with it against
+# 1.855 / 1.848 without (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
+DOWN_WAITS_FOR_ROW = True
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
@@ -463,7 +464,10 @@ _row_ready: dict[tuple[torch.device, int], torch.Tensor] = {}
 def row_ready_counters(device: torch.device, period: int) -> torch.Tensor:
     """int32 [DIRECT_MAX_ROWS]: a counter per routed row of the `GemmRoute` gate_up and down launches,
     a multiple of `period` between them (DOWN_WAITS_FOR_ROW); one set per (device, period), so MoE
-    shapes of other periods never share them; made on first use, before any graph capture."""
+    shapes of other periods never share them; made on first use, before any graph capture. A CUDA
+    device without an index is the current one ("cuda" and "cuda:0" are one set of counters)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, period)
     if key not in _row_ready:
         _row_ready[key] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
