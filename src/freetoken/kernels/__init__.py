@@ -178,11 +178,14 @@ def gated_out_fusable(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> b
             and weight.shape[1] % head_dim == 0 and weight.shape[1] // head_dim <= MAX_HEADS)
 
 
-def head_ready(device: torch.device, num_seqs: int, head_dim: int) -> "HeadReady":
-    """The per-head counters for `gdn_fused_recurrent(head_ready=...)` over num_seqs sequences (value heads
-    of head_dim), which `gated_out_proj(ready=...)` then waits on (Triton only)."""
-    from freetoken.kernels import gated_out_triton, gdn_triton
+def head_ready(device: torch.device, num_seqs: int, num_rows: int, head_dim: int) -> "HeadReady | None":
+    """The per-head counters for `gdn_fused_recurrent(head_ready=...)` over num_seqs sequences of num_rows
+    rows in all (value heads of head_dim), which `gated_out_proj(ready=...)` then waits on (Triton only);
+    None above one launch's rows (linear_triton.MAX_ROWS_PER_LAUNCH): that launch waits as a whole."""
+    from freetoken.kernels import gated_out_triton, gdn_triton, linear_triton
 
+    if num_rows > linear_triton.MAX_ROWS_PER_LAUNCH:
+        return None
     return gated_out_triton.HeadReady(gated_out_triton.head_ready_counters(device), num_seqs * gdn_triton.value_tiles(head_dim))
 
 

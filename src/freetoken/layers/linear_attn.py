@@ -209,7 +209,7 @@ class GatedDeltaNet(nn.Module):
         # The gated norm and out_proj in one launch (kernels.gated_out_proj), at every row count so that
         # decode and verify rows keep the same bits; after the recurrence it waits per head on it.
         fused_out = not self.out_proj.parallel.is_parallel and kernels.gated_out_fusable(x, self.out_proj.weight, self.v_head_dim)
-        ready = kernels.head_ready(x.device, batch.num_seqs, self.v_head_dim) if fused_out else None
+        ready = kernels.head_ready(x.device, batch.num_seqs, n, self.v_head_dim) if fused_out else None
         prefetch = None if fused_out else kernels.l2_span(self.out_proj.weight, x, "out_proj")  # by the recurrence's launch
         if ctx.mode is ForwardMode.VERIFY:
             mixed_qkv, z, b, a = self._project(x)
