@@ -33,10 +33,10 @@ built = {
                            dict(X_SPLIT=0, BLOCK_D=2048, PREFETCH=True, PDL=True), floats=("eps",)),
     "gdn_fused": ptx(gdn_triton._gdn_fused_kernel,
                      {"state_ptr": "*fp32", "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
-                      "o_ptr": "*bf16", "starts_ptr": "*i32", "counts_ptr": "*i32", "slots_ptr": "*i32", "ready_ptr": "*i32"} | pf,
+                      "o_ptr": "*bf16", "starts_ptr": "*i32", "counts_ptr": "*i32", "slots_ptr": "*i32"} | pf,
                      ("Dk", "Dv", "key_dim", "rep", "write_state", "write_output", "s_slot", "s_head", "s_k", "x_row", "a_row", "b_row",
                       "o_row", "o_head", "pf_lines", "num_seqs"),
-                     dict(BLOCK_K=128, BLOCK_V=32, PREFETCH=True, RAISE=False, PDL=True), floats=("scale",)),
+                     dict(BLOCK_K=128, BLOCK_V=32, PREFETCH=True, PDL=True), floats=("scale",)),
 }
 json.dump(built, sys.stdout)
 """

@@ -70,10 +70,8 @@ MODELS = ["qwen35_dense", pytest.param("qwen35_moe", marks=pytest.mark.skipif(IN
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("gated_out", [False, True])
 @torch.no_grad()
-def test_batched_prefill_matches_transformers(device, name, gated_out, monkeypatch):
-    monkeypatch.setattr(freetoken.kernels, "GATED_OUT_PROJ", gated_out)
+def test_batched_prefill_matches_transformers(device, name):
     ref = load_file(FIXTURES / name / "ref" / "hf_transformers.safetensors")
     model, engine = load(name, torch.float32, device)
     prompts = [ref["seq0.input_ids"].tolist(), ref["seq1.input_ids"].tolist()]
@@ -84,12 +82,8 @@ def test_batched_prefill_matches_transformers(device, name, gated_out, monkeypat
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("gated_out", [False, True])
 @torch.no_grad()
-def test_verify_and_commit_equal_decode_bitwise(device, gated_out, monkeypatch):
-    """With kernels.GATED_OUT_PROJ too: the GDN layers' gated norm + out_proj as one launch, waiting per
-    head on the recurrence in decode and verify."""
-    monkeypatch.setattr(freetoken.kernels, "GATED_OUT_PROJ", gated_out)
+def test_verify_and_commit_equal_decode_bitwise(device):
     model, engine = load("qwen35_dense" if device == "cpu" else "qwen35_moe", torch.bfloat16, device)
     k = 2 if device == "cpu" else 4
     prompts = [[5, 9, 300, 7, 7], [11, 600, 2]]
@@ -122,34 +116,3 @@ def test_verify_and_commit_equal_decode_bitwise(device, gated_out, monkeypatch):
             # last bits at different positions of a tensor, so only closeness holds here; the kernel's
             # replay == decode is checked bitwise in test_gdn_triton.
             torch.testing.assert_close(pools.recurrent[:, slot], committed[0][:, slot], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@torch.no_grad()
-def test_gated_out_proj_is_close_to_the_gated_norm_then_out_proj(device, monkeypatch):
-    """kernels.GATED_OUT_PROJ on and off: the same steps give close logits (the fused launch sums the
-    out_proj's K in its own order). A prefill whose 64-row prompt takes the chunked rule (the fused
-    launch without waiting on the recurrence) beside a 5-row one, then prefill, verify and a decode
-    step of two short prompts (the fused launch waiting per head); the head counters end at multiples of PERIOD."""
-    from freetoken.kernels import gated_out_triton
-
-    name = "qwen35_dense" if device == "cpu" else "qwen35_moe"
-    chunked = [[(37 * i + 11) % 1000 for i in range(64)], [3, 1, 4, 1, 5]]
-    prompts, drafts = [[5, 9, 300, 7, 7], [11, 600, 2]], [[41, 8], [17, 250]]
-    chunk_calls = []
-    chunked_prefill = freetoken.kernels.gdn_chunked_prefill
-    monkeypatch.setattr(freetoken.kernels, "gdn_chunked_prefill", lambda *a, **kw: chunk_calls.append(a[-1].num_rows) or chunked_prefill(*a, **kw))
-    logits = {}
-    for gated_out in (False, True):
-        monkeypatch.setattr(freetoken.kernels, "GATED_OUT_PROJ", gated_out)
-        model, engine = load(name, torch.bfloat16, device)
-        steps = [forward(model, engine, open_seqs(engine, chunked, 0), [0, 0], chunked, ForwardMode.EXTEND)[1]]
-        seqs = open_seqs(engine, prompts, 4)
-        steps.append(forward(model, engine, seqs, [0, 0], prompts, ForwardMode.EXTEND)[1])
-        steps.append(forward(model, engine, seqs, [len(p) for p in prompts], drafts, ForwardMode.VERIFY)[1])
-        steps.append(forward(model, engine, seqs, [len(p) for p in prompts], [d[:1] for d in drafts], ForwardMode.EXTEND)[1])
-        logits[gated_out] = steps
-    assert chunk_calls and all(rows == (64, 0) for rows in chunk_calls)
-    for off, on in zip(logits[False], logits[True]):
-        torch.testing.assert_close(on, off, rtol=0.05, atol=0.05)
-    assert not (gated_out_triton.head_ready_counters(torch.device(device)) % gated_out_triton.PERIOD).any()

@@ -47,8 +47,6 @@ EARLY_READS = {  # kernel -> the loads it may issue before its wait
     "conv_triton._conv_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr"],
     # the batch's rows and slots, the state tile (this layer's earlier launches), weights
     "gdn_triton._gdn_fused_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr"],
-    # weights: out_proj's tiles of the program's heads, the norm weight
-    "gated_out_triton._gated_out_kernel": ["tl.load(w_tile,", "tl.load(w_tile + D,", "tl.load(w_tile + 2 * D,", "tl.load(w_tile + 3 * D,", "tl.load(norm_w_ptr"],
 }
 
 

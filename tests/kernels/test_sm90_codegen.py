@@ -23,7 +23,7 @@ from tests.kernels import sm90_build
 
 def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
     signature = dict(pointers) | {name: "i32" for name in ints} | {name: "constexpr" for name in constants}
-    divisible = tuple(n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in unspecialised)
+    divisible = tuple(n for n in signature if signature[n] != "constexpr" and n not in unspecialised)
     return sm90_build.ptx(kernel, signature, constants, options, divisible)
 
 m, lt = moe_triton, linear_triton
@@ -52,26 +52,9 @@ built["linear_conv"] = ptx(lt._linear_conv_kernel, {"x_ptr": "*bf16", "w_ptr": "
                            ("M", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "win_slot", "win_t", "conv_wc"),
                            dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=False, PDL=True),
                            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", "conv_wc"))
-from freetoken.kernels import gated_out_triton as go, gdn_triton
-cfg = go.config_for(32, 128)  # the 35B-A3B GDN output: 32 value heads of 128
-built["gated_out"] = ptx(go._gated_out_kernel, {name: "*bf16" for name in ("core_ptr", "z_ptr", "norm_w_ptr", "w_ptr", "y_ptr")}
-                         | {"part_ptr": "*fp32", "lock_ptr": "*i32", "ready_ptr": "*i32", "eps": "fp32"},
-                         ("target", "M", "N", "stride_cm", "stride_ch", "stride_zm", "stride_zh", "stride_wn", "stride_ym"),
-                         dict(D=128, HEADS=cfg.block_k // 128, BLOCK_M=go.BLOCK_M, BLOCK_N=go.BLOCK_N, SPLIT=cfg.split, DEFER=True, ACT=0, Y_F32=False,
-                              DOT_F32=False, WAIT=True, PERIOD=go.PERIOD, PDL=True),
-                         {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("target", "M", "eps"))
-built["gdn_fused"] = ptx(gdn_triton._gdn_fused_kernel, {name: "*bf16" for name in ("x_ptr", "a_ptr", "b_ptr", "o_ptr", "pf_ptr")}
-                         | {"state_ptr": "*fp32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "scale": "fp32", "ready_ptr": "*i32"}
-                         | {name: "*i32" for name in ("starts_ptr", "counts_ptr", "slots_ptr")},
-                         ("Dk", "Dv", "key_dim", "rep", "write_state", "write_output", "s_slot", "s_head", "s_k", "x_row", "a_row", "b_row",
-                          "o_row", "o_head", "pf_lines", "num_seqs"),
-                         dict(BLOCK_K=128, BLOCK_V=gdn_triton.BLOCK_V, PREFETCH=False, RAISE=True, PDL=True),
-                         {"num_warps": gdn_triton.NUM_WARPS}, unspecialised=("scale", "write_state", "write_output", "rep", "num_seqs"))
 order = {name: [built[name].find(op) for op in ops] for name, ops in
          (("gate_up", ("griddepcontrol.wait", "wgmma.mma_async", ".gpu.release.add")),
-          ("down", ("griddepcontrol.launch_dependents", ".gpu.acquire", "wgmma.mma_async", "griddepcontrol.wait")),
-          ("gdn_fused", ("griddepcontrol.wait", "st.global", ".gpu.release.add")),
-          ("gated_out", ("ld.global", "griddepcontrol.launch_dependents", ".gpu.acquire", "wgmma.mma_async", "griddepcontrol.wait")))}
+          ("down", ("griddepcontrol.launch_dependents", ".gpu.acquire", "wgmma.mma_async", "griddepcontrol.wait")))}
 json.dump({"dots": {name: [p.count("wgmma.mma_async"), p.count("mma.sync")] for name, p in built.items()}, "order": order}, sys.stdout)
 """
 
@@ -81,7 +64,7 @@ def counts():
     return json.loads(sm90_build.run(_BUILD))
 
 
-@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv", "gated_out"])
+@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv"])
 def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
     wgmma, mma_sync = counts["dots"][kernel]
     assert wgmma > 0 and mma_sync == 0, f"{kernel}: {wgmma} wgmma, {mma_sync} mma.sync"
@@ -91,15 +74,5 @@ def test_down_waits_for_its_row_not_the_gate_up_grid_in_the_sm90_build(counts):
     """moe_triton.DOWN_WAITS_FOR_ROW: gate_up raises its row's counter (release) after its dots; down
     lets the next kernel launch, spins on the counter (acquire) before its dots, and waits for the
     gate_up grid only after them, so the launch after down still finds gate_up finished."""
-    for kernel in ("gate_up", "down"):
-        positions = counts["order"][kernel]
-        assert -1 not in positions and positions == sorted(positions), f"{kernel}: {positions}"
-
-
-def test_gated_out_waits_for_its_heads_not_the_recurrence_grid_in_the_sm90_build(counts):
-    """kernels.GATED_OUT_PROJ: the recurrence raises its head's counter (release) after its output
-    stores; the gated out_proj loads its weight tiles, lets the next kernel launch, spins on its heads'
-    counters (acquire) before its dots, and waits for the recurrence's grid only after them."""
-    for kernel in ("gdn_fused", "gated_out"):
-        positions = counts["order"][kernel]
+    for kernel, positions in counts["order"].items():
         assert -1 not in positions and positions == sorted(positions), f"{kernel}: {positions}"

@@ -27,7 +27,6 @@ from freetoken.kernels.batched import SeqBatch, seq_batch
 from freetoken.kernels.rope_ref import apply_rope
 
 if TYPE_CHECKING:
-    from freetoken.kernels.gated_out_triton import HeadReady
     from freetoken.kernels.l2_prefetch import Span
     from freetoken.kernels.linear_triton import PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
@@ -39,9 +38,6 @@ FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add
 # (False: torch). 35B-A3B decode step cut to 24 layers on an H100: 1.844 / 1.839 ms with them against
 # 1.855 / 1.848 (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
 TRITON_STEP_GLUE = True
-# A GDN layer's gated norm and out_proj as one launch that loads its weight before waiting per head on
-# the recurrence (gated_out_triton); off until timed on a GPU (bench/variants.py ... kernels.GATED_OUT_PROJ=1).
-GATED_OUT_PROJ = False
 
 
 @functools.cache
@@ -166,39 +162,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return norm_ref.gated_rms_norm(x, gate, weight, eps, act)
 
 
-def gated_out_fusable(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
-    """Whether `gated_out_proj` takes a GDN layer's output: GATED_OUT_PROJ on, the Triton path for x (the
-    layer's input, whose dtype and device the recurrence's output has), a contiguous out_proj weight
-    [Nout, Hv * head_dim] of x's dtype, head_dim a power of two >= 16."""
-    if not (GATED_OUT_PROJ and use_triton(x)):
-        return False
-    from freetoken.kernels.gated_out_triton import MAX_HEADS
-
-    return (weight.dtype == x.dtype and weight.is_contiguous() and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and weight.shape[1] % head_dim == 0 and weight.shape[1] // head_dim <= MAX_HEADS)
-
-
-def head_ready(device: torch.device, num_seqs: int, num_rows: int, head_dim: int) -> "HeadReady | None":
-    """The per-head counters for `gdn_fused_recurrent(head_ready=...)` over num_seqs sequences of num_rows
-    rows in all (value heads of head_dim), which `gated_out_proj(ready=...)` then waits on (Triton only);
-    None above one launch's rows (linear_triton.MAX_ROWS_PER_LAUNCH): that launch waits as a whole."""
-    from freetoken.kernels import gated_out_triton, gdn_triton, linear_triton
-
-    if num_rows > linear_triton.MAX_ROWS_PER_LAUNCH:
-        return None
-    return gated_out_triton.HeadReady(gated_out_triton.head_ready_counters(device), num_seqs * gdn_triton.value_tiles(head_dim))
-
-
-def gated_out_proj(core: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, act: str, weight: torch.Tensor,
-                   defer_sum: bool = False, ready: "HeadReady | None" = None) -> "torch.Tensor | PendingSplitK":
-    """gated_rms_norm(core, z) [N, Hv * D] @ weight [Nout, Hv * D]^T in one launch (Triton only; requires
-    `gated_out_fusable`): core, z [N, Hv, D], norm_weight [D]. defer_sum: as `linear`'s. ready: `head_ready`'s,
-    after a recurrence that raised them: the launch waits per head on it instead of on its whole grid."""
-    from freetoken.kernels import gated_out_triton
-
-    return gated_out_triton.gated_out_proj(core, z, norm_weight, eps, act, weight, defer_sum, ready)
-
-
 def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch: "Span | None" = None) -> torch.Tensor:
     """zc_rms_norm then partial RoPE of q [N, Hq, D] and k [N, Hkv, D]; k and v [N, Hkv, D] stored at
     slot_mapping [N] in the caches [num_slots, Hkv, D]; returns the rotated q. prefetch: `l2_span`'s."""
@@ -232,17 +195,12 @@ def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: tor
     return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
 
 
-def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None,
-                        head_ready: "HeadReady | None" = None):
+def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None):
     """The gated delta rule over the state pool [slots, Hv, Dk, Dv] with its input preparation fused in
-    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s.
-    head_ready: `head_ready`'s for this batch, raised per head for the `gated_out_proj` after it."""
+    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s."""
     from freetoken.kernels import gdn_triton
 
-    if head_ready is not None:
-        assert head_ready.target == batch.num_seqs * gdn_triton.value_tiles(state.shape[-1]), "head_ready: made for another batch"
-    counters = None if head_ready is None else head_ready.counters
-    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch, counters)
+    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch)
 
 
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
@@ -335,13 +293,10 @@ __all__ = [
     "causal_conv1d_batched",
     "embedding",
     "take_fed_back",
-    "gated_out_fusable",
-    "gated_out_proj",
     "gated_rms_norm",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
-    "head_ready",
     "l2_span",
     "linear",
     "linear_conv",

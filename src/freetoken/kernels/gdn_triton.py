@@ -109,8 +109,7 @@ def _gdn_fused_kernel(
     Dk, Dv, key_dim, rep, scale, write_state, write_output,
     s_slot, s_head, s_k, x_row, a_row, b_row, o_row, o_head,
     pf_ptr, pf_lines, num_seqs,
-    ready_ptr,  # RAISE: a counter per value head, raised once by each program after its outputs are stored
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, RAISE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     if PREFETCH:  # the programs past the sequences' prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_seqs:
@@ -155,16 +154,8 @@ def _gdn_fused_kernel(
         if write_output != 0:
             o = tl.sum(s * q[:, None], axis=0)
             tl.store(o_ptr + row * o_row + h * o_head + vs, o.to(o_ptr.dtype.element_ty), mask=mv)
-    if RAISE:  # this program's outputs of head h are stored: the gated out_proj's programs count it (pdl.wait_count)
-        tl.debug_barrier()  # every thread's outputs are stored before the counter moves
-        tl.atomic_add(ready_ptr + h, 1, sem="release", scope="gpu")
     if write_state != 0:
         tl.store(s_ptrs, s, mask=s_mask)
-
-
-def value_tiles(dv: int) -> int:
-    """The fused recurrence's programs per (sequence, value head): its value columns in BLOCK_V tiles."""
-    return triton.cdiv(dv, min(BLOCK_V, triton.next_power_of_2(dv)))
 
 
 def gdn_fused(
@@ -180,34 +171,30 @@ def gdn_fused(
     compute_output: bool = True,
     out_dtype: torch.dtype = torch.float32,
     prefetch: l2_prefetch.Span | None = None,
-    head_ready: torch.Tensor | None = None,  # [>= Hv] int32
 ) -> torch.Tensor | None:
     """The gated delta rule with its input preparation fused in (l2-norm and scale of q and k, value
     head j reading key head j // (Hv / Hk), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias))
     -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False. One kernel serves decode,
     verify (write_state=False) and the commit replay (compute_output=False). prefetch: queued by
-    extra programs of the launch (l2_prefetch). head_ready: each program raises its value head's
-    counter by one once its outputs are stored, num_seqs * value_tiles(Dv) raises a head in all, for
-    a launch that waits on them (gated_out_triton.HeadReady; with compute_output only)."""
+    extra programs of the launch (l2_prefetch)."""
     assert state.dtype == torch.float32 and state.stride(-1) == 1
     conv_out = _inner_contiguous(conv_out)
     a, b = _inner_contiguous(a), _inner_contiguous(b)
     _, num_heads, dk, dv = state.shape
     n = conv_out.shape[0]
-    assert head_ready is None or (compute_output and head_ready.dtype == torch.int32 and head_ready.numel() >= num_heads)
     out = torch.empty((n, num_heads, dv), dtype=out_dtype, device=conv_out.device) if compute_output else None
     if batch.num_seqs == 0 or n == 0:
         return out
     o = out if out is not None else state  # never written when compute_output is False
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
-    v_tiles = value_tiles(dv)
+    v_tiles = triton.cdiv(dv, block_v)
     extra, pf_args = l2_prefetch.launch_args(prefetch, num_heads * v_tiles, state)
     _gdn_fused_kernel[(batch.num_seqs + extra, num_heads, v_tiles)](
         state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        num_seqs=batch.num_seqs, **pf_args, ready_ptr=state if head_ready is None else head_ready,  # an unread stand-in without
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, RAISE=head_ready is not None, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
+        num_seqs=batch.num_seqs, **pf_args,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

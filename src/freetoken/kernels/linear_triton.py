@@ -70,39 +70,11 @@ class LinearConfig:
 
 
 @triton.jit
-def tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's rows [BLOCK_M] (axis 0) and features [BLOCK_N] (axis 1), and their in-range masks."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, cols, rows < M, cols < N
-
-
-@triton.jit
-def store_tile(acc, y_ptr, part_ptr, lock_ptr, rows, cols, row_ok, col_ok, M, N, stride_ym,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr):
-    """Store this program's fp32 y^T tile acc [BLOCK_N, BLOCK_M] (slice program_id(2) of SPLIT): y itself
-    without a split; with DEFER the slice's partial [SPLIT, M, N]; else into the workspace, and the
-    last program of the tile to arrive adds the SPLIT partials in slice order and stores y."""
-    pid_s = tl.program_id(2)
-    out_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
-    out_mask = row_ok[None, :] & col_ok[:, None]
-    if SPLIT == 1:
-        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    elif DEFER:  # the partial of slice pid_s, [SPLIT, M, N]: the consumer adds the slices
-        tl.store(part_ptr + (pid_s * M + rows[None, :].to(tl.int64)) * N + cols[:, None], acc, mask=out_mask)
-    else:
-        tile = tl.program_id(1) * tl.cdiv(M, BLOCK_M) + tl.program_id(0)
-        tile_ptrs = part_ptr + (tile * SPLIT) * (BLOCK_N * BLOCK_M) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(tile_ptrs + pid_s * (BLOCK_N * BLOCK_M), acc)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tl.debug_barrier()
-            total = tl.load(tile_ptrs, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                total += tl.load(tile_ptrs + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -132,11 +104,29 @@ def _linear_kernel(
 ):
     pdl.sync(PDL)
     pid_s = tl.program_id(2)
-    rows, cols, row_ok, col_ok = tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-    store_tile(acc, y_ptr, part_ptr, lock_ptr, rows, cols, row_ok, col_ok, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT, DEFER)
+    out_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
+    out_mask = row_ok[None, :] & col_ok[:, None]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    elif DEFER:  # the partial of slice pid_s, [SPLIT, M, N]: the consumer adds the slices
+        tl.store(part_ptr + (pid_s * M + rows[None, :].to(tl.int64)) * N + cols[:, None], acc, mask=out_mask)
+    else:
+        tile = tl.program_id(1) * tl.cdiv(M, BLOCK_M) + tl.program_id(0)
+        tile_ptrs = part_ptr + (tile * SPLIT) * (BLOCK_N * BLOCK_M) + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(tile_ptrs + pid_s * (BLOCK_N * BLOCK_M), acc)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.debug_barrier()
+            total = tl.load(tile_ptrs, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                total += tl.load(tile_ptrs + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -146,7 +136,7 @@ def _linear_conv_kernel(
     stride_xm, stride_wn, stride_ym, win_slot, win_t, conv_wc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    rows, cols, row_ok, col_ok = tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     conv = (cols < C)[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M] the convolved features
     # The rows' slots (host copies), the conv weights and the windows (this layer's, written a step
     # back): read before the wait, and the window's three taps summed while the previous kernel runs.
@@ -207,11 +197,10 @@ def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 def reserve_workspace(device: torch.device, weights: list[torch.Tensor]) -> None:
     """Allocate the split-K workspace for these weights up front (before CUDA-graph capture)."""
     for w in weights:
-        launch_workspace(device, MAX_ROWS_PER_LAUNCH, w.shape[0], config_for(w.shape[0], w.shape[1], w.dtype))
+        _launch_workspace(device, MAX_ROWS_PER_LAUNCH, w.shape[0], config_for(w.shape[0], w.shape[1], w.dtype))
 
 
-def launch_workspace(device: torch.device, m: int, n: int, cfg: LinearConfig):
-    """(partials, counters) of a split-K launch over m rows and n features in cfg's tiles (`store_tile`)."""
+def _launch_workspace(device: torch.device, m: int, n: int, cfg: LinearConfig):
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     return _workspace(device, tiles * cfg.split * cfg.block_n * BLOCK_M, tiles)
 
@@ -273,7 +262,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):  # deferred: one launch (m <= DEFER_SUM_MAX_ROWS)
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
-        part, locks = (y, y) if defer or cfg.split == 1 else launch_workspace(x.device, rows, n, cfg)
+        part, locks = (y, y) if defer or cfg.split == 1 else _launch_workspace(x.device, rows, n, cfg)
         grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,

@@ -6,9 +6,6 @@ with z; out_proj. Value head j reads key head j // (Hv / Hk).
 
 On the Triton path a decode step (one row per sequence) runs the convolution inside the input
 projection's launch (`kernels.linear_conv`: the same bits as the projection, then the convolution).
-With kernels.GATED_OUT_PROJ the gated norm and out_proj are one launch (`kernels.gated_out_proj`) for
-every row count; where the recurrence alone gives the outputs (decode, verify, unchunked extend) that
-launch waits per value head on the recurrence's programs (`kernels.head_ready`), not on its whole grid.
 
 State handling (DESIGN.md invariant 4): in EXTEND mode the conv window and recurrent state advance
 in place; in VERIFY mode they are only read and each row's inputs are stashed; `commit` replays the
@@ -174,21 +171,19 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = self._project(x)
         return kernels.causal_conv1d_batched(windows, mixed_qkv, conv_weight, batch), z, b, a
 
-    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype, prefetch=None, head_ready=None):
+    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype, prefetch=None):
         """The recurrence over batch's rows: the fused kernel on the Triton path (which queues `prefetch`,
-        kernels.l2_span, and raises `head_ready`, kernels.head_ready), else torch -> [N, Hv, Dv]."""
+        kernels.l2_span), else torch -> [N, Hv, Dv]."""
         if kernels.use_triton(conv_out):
-            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype,
-                                               prefetch=prefetch, head_ready=head_ready)
+            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype, prefetch=prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch, write_state=write_state).to(out_dtype)
 
-    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None, head_ready=None) -> tuple[torch.Tensor, bool]:
-        """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence ->
-        (outputs [N, Hv, Dv], whether head_ready was raised: where the recurrence alone gave them)."""
+    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None) -> torch.Tensor:  # -> [N, Hv, Dv]
+        """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence."""
         chunked, rest = split_extend(batch)
         if chunked is None:
-            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch, head_ready), head_ready is not None
+            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         out = kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked)  # fp32; the chunked rows only
         if sum(rest.num_rows):
@@ -198,7 +193,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 tail = kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, rest)
             out[rows] = tail[rows]
-        return out.to(out_dtype), False
+        return out.to(out_dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
         """defer_sum: out_proj's output may be its split-K partials, for the decoder's next add + norm."""
@@ -206,17 +201,12 @@ class GatedDeltaNet(nn.Module):
         state = ctx.linear_state
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
-        # The gated norm and out_proj in one launch (kernels.gated_out_proj), at every row count so that
-        # decode and verify rows keep the same bits; after the recurrence it waits per head on it.
-        fused_out = not self.out_proj.parallel.is_parallel and kernels.gated_out_fusable(x, self.out_proj.weight, self.v_head_dim)
-        ready = kernels.head_ready(x.device, batch.num_seqs, n, self.v_head_dim) if fused_out else None
-        prefetch = None if fused_out else kernels.l2_span(self.out_proj.weight, x, "out_proj")  # by the recurrence's launch
+        prefetch = kernels.l2_span(self.out_proj.weight, x, "out_proj")  # by the recurrence's launch
         if ctx.mode is ForwardMode.VERIFY:
             mixed_qkv, z, b, a = self._project(x)
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, self.conv1d.weight[:, 0, :], batch, write_state=False)
             if kernels.use_triton(x):
-                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype,
-                                                   prefetch=prefetch, head_ready=ready)
+                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype, prefetch=prefetch)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
             else:
                 q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
@@ -224,10 +214,7 @@ class GatedDeltaNet(nn.Module):
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
             conv_out, z, b, a = self._project_conv(x, conv_pool, batch)
-            core, raised = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype, prefetch, ready)
-            ready = ready if raised else None
-        if fused_out:
-            return kernels.gated_out_proj(core, z, self.norm.weight, self.norm.eps, self.norm.act, self.out_proj.weight, defer_sum=defer_sum, ready=ready)
+            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype, prefetch)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y, defer_sum=defer_sum)
 
