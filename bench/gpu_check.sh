@@ -23,6 +23,8 @@ for family in qwen35_dense qwen35_moe; do
     rm -rf "$tmp"
 done
 
-freetoken bench --shape qwen3.5-9b -b 1 --spec oracle -k 3 --corrupt-rate 0 --corrupt-rate 0.3 --out "$OUT/qwen3.5-9b-b1-oracle-k3.json"
+# 256 new tokens: 64 verify steps at full acceptance (at 64 tokens, 16 steps moved the speedup a few
+# percent between processes: logs/qwen3.5-9b-b1-oracle-k3-glue-*-af298fe.json)
+freetoken bench --shape qwen3.5-9b -b 1 --spec oracle -k 3 --corrupt-rate 0 --corrupt-rate 0.3 --new-tokens 256 --out "$OUT/qwen3.5-9b-b1-oracle-k3.json"
 freetoken bench --shape qwen3.5-9b -b 8 -b 64 --out "$OUT/qwen3.5-9b-b8-b64.json"
 freetoken bench --shape qwen3.5-35b-a3b -b 1 --out "$OUT/qwen3.5-35b-a3b-b1.json"
