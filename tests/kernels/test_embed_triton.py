@@ -37,7 +37,6 @@ def test_step_glue_dispatch_equals_torch(monkeypatch, glue):
     """kernels.TRITON_STEP_GLUE on (the Triton kernels, CPU interpreter) and off (torch): the embedding
     gather, the fed-back tokens and the stacked greedy verify give the torch results."""
     from freetoken import kernels, sampling
-    from freetoken.kernels import take_fed_back
 
     monkeypatch.setattr(kernels, "MODE", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -47,7 +46,7 @@ def test_step_glue_dispatch_equals_torch(monkeypatch, glue):
     ids = torch.tensor([3, 49, 0, 3])
     assert torch.equal(kernels.embedding(weight, ids), weight[ids])
     input_ids = torch.tensor([7, 8, 9])
-    take_fed_back(input_ids, torch.tensor([-1, 1, 0]), torch.tensor([20, 21]))
+    kernels.take_fed_back(input_ids, torch.tensor([-1, 1, 0]), torch.tensor([20, 21]))
     assert input_ids.tolist() == [7, 21, 20]
     num_seqs, k, v = 2, 2, 300
     logits = torch.randn(num_seqs * (k + 1), v, generator=gen).to(torch.bfloat16)
