@@ -165,33 +165,6 @@ def test_moe_layouts_agree_bitwise(device, dtype, stacked):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("stacked", [False, True])
-def test_down_weight_preload_has_the_k_loops_bits(device, stacked, monkeypatch):
-    """moe_triton.DOWN_PRELOAD (a direct-layout down program loads its expert's weight tile before its
-    wait) gives every row the bits of the K loop, over one K step and several (on CPU a 16-wide K step
-    makes two of I = 32; on CUDA the shipped step makes four of I = 512)."""
-    dtype, n = torch.bfloat16, 3
-    if stacked:
-        gate_up, down = stacked_for(device, dtype)
-        x, experts, w = routing(n, device, dtype, seed=11)
-        experts = with_shared(experts, gate_up.shape[0] - 1)
-        g = torch.randn(n, 1, generator=torch.Generator().manual_seed(11)).to(dtype).to(device)
-        run = lambda: moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)  # noqa: E731
-    else:
-        gate_up, down = weights_for(device, dtype)
-        x, experts, w = routing(n, device, dtype, seed=11)
-        run = lambda: moe_triton.moe_experts(x, experts, w, gate_up, down)  # noqa: E731
-    assert moe_triton.is_direct(experts.numel())
-    for block_k in ([moe_triton.DOWN_BLOCK_K, 16] if device == "cpu" else [moe_triton.DOWN_BLOCK_K]):
-        monkeypatch.setattr(moe_triton, "DOWN_BLOCK_K", block_k)
-        got = {}
-        for preload in (True, False):
-            monkeypatch.setattr(moe_triton, "DOWN_PRELOAD", preload)
-            got[preload] = run()
-        assert torch.equal(got[True], got[False]), f"K step {block_k}"
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_moe_expert_parallel_slices(device):
     gate_up, down = weights_for(device, torch.float32)
     num_experts, half = gate_up.shape[0], gate_up.shape[0] // 2

@@ -37,8 +37,7 @@ def test_kernels_are_found():
 
 EARLY_READS = {  # kernel -> the loads it may issue before its wait
     "moe_gate_triton._add_norm_route_kernel": ["tl.load(gates_ptr", "tl.load(norm_w_ptr"],  # weights
-    # written two launches back (or the logits, routed there); the expert's weight tile (DOWN_PRELOAD)
-    "moe_triton._down_kernel": ["tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"] + ["tl.load(w + cols"] * 4,
+    "moe_triton._down_kernel": ["tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"],  # written two launches back (or the logits, routed there)
     "moe_exit_triton._combine_add_norm_kernel": ["tl.load(experts_ptr", "tl.load(gate_ptr", "tl.load(w_ptr"],  # three back; weights
     "attention_triton._partition_kernel": ["tl.load(group_ptr", "tl.load(group_ptr", "tl.load(ctx_len_ptr", "tl.load(ctx_len_ptr", "tl.load(row_seq_ptr", "tl.load(table_ptr"],  # host copies
     "attention_triton._merge_kernel": ["tl.load(ctx_len_ptr"],

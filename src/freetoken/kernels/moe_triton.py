@@ -101,10 +101,6 @@ DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 # (pdl.wait_count). 35B-A3B decode step cut to 24 layers on an H100: 1.836 / 1.834 ms with it against
 # 1.855 / 1.848 without (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
 DOWN_WAITS_FOR_ROW = True
-# In the direct layout a down program knows its row's expert before its wait (the row blocks, or its own
-# routing), so it can load that expert's whole weight tile [DOWN_BLOCK_N, I] (up to four K steps) into
-# registers before it, while gate_up streams, and after it only read the row's hidden features.
-DOWN_PRELOAD = True
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
@@ -315,17 +311,6 @@ def _gate_up_kernel(
         tl.atomic_add(ready_ptr + pid_m, 1, sem="release", scope="gpu")
 
 
-@triton.jit
-def _down_step(acc, wd, h_ptr, rows, valid, stride_hm, k0, I, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """One K step of a down tile: acc [BLOCK_N, BLOCK_M] += wd [BLOCK_N, BLOCK_K] @ the rows' hidden
-    features [k0, k0 + BLOCK_K) (transposed, [BLOCK_K, BLOCK_M])."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
-    if DOT_F32:
-        a, wd = a.to(tl.float32), wd.to(tl.float32)
-    return tl.dot(wd, a, acc, input_precision="ieee")
-
-
 @triton.jit(do_not_specialize=["T", "N"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -338,8 +323,7 @@ def _down_kernel(
     ready_ptr, up_tiles,  # ROW_READY: wait for row pid_m's counter to reach gate_up's feature tiles (mod PERIOD)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr,
-    PRELOAD: tl.constexpr, NUM_K: tl.constexpr, PDL: tl.constexpr,
+    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -351,42 +335,26 @@ def _down_kernel(
     else:
         e = tl.load(block_expert_ptr + pid_m)
         ids = tl.load(sorted_ids_ptr + rows)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    w = w_ptr + e.to(tl.int64) * stride_we
     if ROW_READY:  # only this row's gate_up tiles, not the whole gate_up grid (pdl.py)
         pdl.release(PDL)
-    if PRELOAD:  # the row's expert is known: its whole weight tile streams into registers while gate_up runs
-        w_mask = cols[:, None] < tl.where(e < C, H, 0)  # no features of an expert not held here
-        wd0 = tl.load(w + cols[:, None] * stride_wn + ks[None, :], mask=w_mask & (ks[None, :] < I), other=0.0)
-        if NUM_K > 1:
-            wd1 = tl.load(w + cols[:, None] * stride_wn + (BLOCK_K + ks)[None, :], mask=w_mask & ((BLOCK_K + ks)[None, :] < I), other=0.0)
-        if NUM_K > 2:
-            wd2 = tl.load(w + cols[:, None] * stride_wn + (2 * BLOCK_K + ks)[None, :], mask=w_mask & ((2 * BLOCK_K + ks)[None, :] < I), other=0.0)
-        if NUM_K > 3:
-            wd3 = tl.load(w + cols[:, None] * stride_wn + (3 * BLOCK_K + ks)[None, :], mask=w_mask & ((3 * BLOCK_K + ks)[None, :] < I), other=0.0)
-    if ROW_READY:
         pdl.wait_count(ready_ptr + pid_m, up_tiles, PERIOD)
         # Past the wait: together the row's programs take its counter to the next multiple of PERIOD.
         tl.atomic_add(ready_ptr + pid_m, tl.where(pid_n == 0, PERIOD - up_tiles - tl.num_programs(1) + 1, 1), sem="relaxed", scope="gpu")
     else:
         pdl.sync(PDL)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if e < C:
         valid = ids < T
+        ks = tl.arange(0, BLOCK_K)
+        w = w_ptr + e.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
-        if PRELOAD:  # the same K steps in the same order as the loop below, so the same bits
-            acc = _down_step(acc, wd0, h_ptr, rows, valid, stride_hm, 0, I, BLOCK_K, DOT_F32)
-            if NUM_K > 1:
-                acc = _down_step(acc, wd1, h_ptr, rows, valid, stride_hm, BLOCK_K, I, BLOCK_K, DOT_F32)
-            if NUM_K > 2:
-                acc = _down_step(acc, wd2, h_ptr, rows, valid, stride_hm, 2 * BLOCK_K, I, BLOCK_K, DOT_F32)
-            if NUM_K > 3:
-                acc = _down_step(acc, wd3, h_ptr, rows, valid, stride_hm, 3 * BLOCK_K, I, BLOCK_K, DOT_F32)
-        else:
-            for k0 in range(0, I, BLOCK_K):
-                kk = k0 + ks
-                wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
-                acc = _down_step(acc, wd, h_ptr, rows, valid, stride_hm, k0, I, BLOCK_K, DOT_F32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(h_ptr + rows[None, :] * stride_hm + kk[:, None], mask=valid[None, :] & (kk[:, None] < I), other=0.0)
+            wd = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=(cols[:, None] < H) & (kk[None, :] < I), other=0.0)
+            if DOT_F32:
+                a, wd = a.to(tl.float32), wd.to(tl.float32)
+            acc = tl.dot(wd, a, acc, input_precision="ieee")
         y = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
     if COMBINE:  # the last program of this feature tile to finish combines it for every token
@@ -656,8 +624,6 @@ def _expert_rows(
     period = triton.next_power_of_2(up_tiles + feature_tiles)
     ready = row_ready_counters(x.device, period) if row_ready else logits  # an unread stand-in without
     fp32 = x.dtype == torch.float32
-    down_k = FP32_BLOCK_K if fp32 else DOWN_BLOCK_K
-    preload = DOWN_PRELOAD and is_direct(rows) and triton.cdiv(inter, down_k) <= 4
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
@@ -674,9 +640,9 @@ def _expert_rows(
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
         *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
-        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=down_k, DOT_F32=INTERPRET,
+        BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
-        PERIOD=period, PRELOAD=preload, NUM_K=triton.cdiv(inter, down_k) if preload else 0,
+        PERIOD=period,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:

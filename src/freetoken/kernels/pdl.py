@@ -19,7 +19,9 @@ EARLY_READS, lists each kernel's early loads). Streaming weights ahead of the wa
 the H200 and taken out, as it competes with the previous kernel's stream: L2 bulk prefetches
 (35B-A3B step 2.73 -> 2.86 ms with the MoE down weights; 9B 221 -> 211 tok/s with the start of each
 linear's rows) and each linear's first weight tile (9B 221.3 -> 210.8 tok/s across runs, no gain at
-35B-A3B in the same run). Releasing the next kernel only after the K loop, so that its prefetches
+35B-A3B in the same run), and the MoE down's whole weight tile in each direct-layout program, its
+expert known from its own routing, while gate_up streams (35B-A3B cut to 24 layers on an H100: 1.880
+against 1.801 ms; logs/variants-35b-l24-down-preload-095c162-h100.jsonl). Releasing the next kernel only after the K loop, so that its prefetches
 overlap just this kernel's tail, did not help either (35B-A3B 2.541 ms without, 2.563 with the late
 release alone, 2.765 with the prefetches too; bench/results/logs/variants-35b-late-prefetch-b8ccd62.jsonl),
 nor did prefetching each output projection into L2 from a side stream forked after the input
