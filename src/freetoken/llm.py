@@ -82,8 +82,6 @@ class RunStats:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, progress: Callable[[int], None] | None = None, parallel=None):
-        import torch
-
         from freetoken.checkpoint.reader import UnifiedCheckpoint
         from freetoken.distributed.context import SINGLE
         from freetoken.models.loader import load_model
@@ -99,8 +97,6 @@ class LLM:
             self.config = replace(self.config, device=f"cuda:{self.parallel.rank}")
         self.path = resolve_checkpoint(model, progress)
         self.checkpoint = UnifiedCheckpoint.open(self.path)
-        if self.config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise FreetokenError(f"--device {self.config.device} but CUDA is not available")
         wants_mtp = self.config.spec == "mtp"
         if wants_mtp and "mtp" not in self.checkpoint.draft_heads:
             raise FreetokenError("the checkpoint has no MTP head, so --spec mtp cannot run; use --spec none", self.path)

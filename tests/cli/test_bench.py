@@ -71,11 +71,12 @@ def _main(args, tmp_path):
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("case", ["both", "missing", "unknown_shape"])
+@pytest.mark.parametrize("case", ["both", "missing", "unknown_shape", "bad_device"])
 def test_bad_input_is_one_line(tmp_path, case):
-    args = {"both": [str(tmp_path), "--shape", "tiny"], "missing": [str(tmp_path / "nope")], "unknown_shape": ["--shape", "qwen9"]}[case]
-    result = _main(["bench", *args, *SMALL, "--out", str(tmp_path / "out.json")], tmp_path)
+    args = {"both": [str(tmp_path), "--shape", "tiny"], "missing": [str(tmp_path / "nope")], "unknown_shape": ["--shape", "qwen9"],
+            "bad_device": ["--shape", "tiny"]}[case]
+    result = _main(["bench", *args, *SMALL, *(["--device", "cuda:99"] if case == "bad_device" else []), "--out", str(tmp_path / "out.json")], tmp_path)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert {"both": "not both", "missing": "nope", "unknown_shape": "qwen9"}[case] in result.stderr
+    assert {"both": "not both", "missing": "nope", "unknown_shape": "qwen9", "bad_device": "cuda:99"}[case] in result.stderr
     assert not (tmp_path / "out.json").exists()

@@ -122,6 +122,14 @@ def test_kv_blocks_for_memory():
         EngineConfig(mem_fraction=1.5)
 
 
+@pytest.mark.parametrize("device", ["gpu", "cpu:0", "cuda:x", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:0"]))
+def test_a_device_that_cannot_run_is_refused_up_front(device):
+    from freetoken.errors import FreetokenError
+
+    with pytest.raises(FreetokenError, match=f"--device '?{device}"):
+        EngineConfig(device=device)
+
+
 def test_decode_graph_buckets_and_padding_rows():
     """Batch sizes round up to 1, 2, 4, multiples of 8 and max_num_seqs; padding rows use a KV block and a
     state slot taken out of the pools."""

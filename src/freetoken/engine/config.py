@@ -32,9 +32,27 @@ class EngineConfig:
             raise FreetokenError(f"--mem-fraction must be in [0, 1), not {self.mem_fraction}")
         if self.num_draft_tokens < 0 or self.max_num_seqs < 1 or self.block_size < 1 or self.tensor_parallel < 1:
             raise FreetokenError("engine sizes must be positive")
+        check_device(self.device)
 
     @property
     def torch_dtype(self):
         import torch
 
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+def check_device(device: str) -> None:
+    """`device` is cpu, cuda or cuda:N naming a GPU this process can use; else a one-line FreetokenError."""
+    from freetoken.errors import FreetokenError
+
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise FreetokenError(f"--device {device!r}: use cpu, cuda or cuda:N")
+    if kind == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FreetokenError(f"--device {device}, but CUDA is not available here (torch {torch.__version__}); use --device cpu")
+    if index and int(index) >= torch.cuda.device_count():
+        raise FreetokenError(f"--device {device}, but {torch.cuda.device_count()} GPU(s) are visible")
