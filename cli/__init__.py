@@ -45,11 +45,15 @@ def main() -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, _click_exception()):
             exc.show()
             sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, typer.Abort):
             sys.exit(1)
         raise
+
+
+def _click_exception() -> type[Exception]:
+    """The usage errors' base class of the click that typer runs on: the click package, or the copy
+    that typer >= 0.29 carries inside itself (typer._click), which the click package's class misses."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")

@@ -80,3 +80,13 @@ def test_bad_input_is_one_line(tmp_path, case):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert {"both": "not both", "missing": "nope", "unknown_shape": "qwen9", "bad_device": "cuda:99"}[case] in result.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("args", [["-b", "0"], ["--nope"]])
+def test_a_usage_error_is_clicks_message_without_a_traceback(tmp_path, args):
+    """Option errors go through click's usage message and exit 2, whichever click typer runs on
+    (typer >= 0.29 carries its own copy, whose exceptions are not the click package's)."""
+    result = _main(["bench", "--shape", "tiny", *SMALL, *args, "--out", str(tmp_path / "out.json")], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("Error: "), result.stderr
+    assert not (tmp_path / "out.json").exists()
