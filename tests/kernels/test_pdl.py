@@ -46,7 +46,7 @@ EARLY_READS = {  # kernel -> the loads it may issue before its wait
                                           "tl.load(cw + 1", "tl.load(cw + 2", "tl.load(cw + 3"],
     "conv_triton._conv_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr"],
     # the batch's rows and slots, the state tile (this layer's earlier launches), weights
-    "gdn_triton._gdn_fused_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr", "tl.load(nw_ptr"],
+    "gdn_triton._gdn_fused_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr"],
 }
 
 

@@ -195,23 +195,12 @@ def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: tor
     return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
 
 
-def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None, norm=None):
+def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None):
     """The gated delta rule over the state pool [slots, Hv, Dk, Dv] with its input preparation fused in
-    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s;
-    norm: the layer's gated norm in the launch (`gated_norm_in_gdn`)."""
+    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s."""
     from freetoken.kernels import gdn_triton
 
-    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch, norm)
-
-
-def gated_norm_in_gdn(z: torch.Tensor, weight: torch.Tensor, eps: float, act: str):
-    """The GDN layer's gated norm (z [N, Hv, Dv]) for the fused recurrence's launch, where it runs there
-    (gdn_triton.FUSE_GATED_NORM, Triton, silu, unit stride inside a head), else None."""
-    if act != "silu" or z.stride(-1) != 1 or not use_triton(z):
-        return None
-    from freetoken.kernels import gdn_triton
-
-    return gdn_triton.GatedNorm(z, weight, eps) if gdn_triton.FUSE_GATED_NORM else None
+    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch)
 
 
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):
@@ -307,7 +296,6 @@ __all__ = [
     "gated_rms_norm",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",
-    "gated_norm_in_gdn",
     "gdn_recurrent_batched",
     "l2_span",
     "linear",

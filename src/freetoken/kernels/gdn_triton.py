@@ -13,8 +13,6 @@ updates the state exactly as decoding it did.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -26,27 +24,6 @@ from freetoken.kernels.batched import SeqBatch
 # decode step (logs/variants-35b-small-kernels.jsonl): 16 or 64 columns, 2 or 8 warps, none faster.
 BLOCK_V = 32
 NUM_WARPS = 4
-# With the layer's gated RMSNorm in the launch (`GatedNorm`), a program holds a whole value head: the state
-# tile [Dk, Dv] over FUSED_NORM_WARPS warps. Every launch of the fused kernel then takes that tile, the
-# commit replay's too, so that a replayed row updates the state with the bits decoding it did.
-FUSE_GATED_NORM = False
-FUSED_NORM_WARPS = 8
-
-
-class GatedNorm(NamedTuple):
-    """The layer's w * rms_norm(o) * silu(z) per value head, run on each output row in the recurrence's
-    launch: z [N, Hv, Dv] (unit stride inside a head), weight [Dv], eps."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-def fused_tile(dv: int) -> tuple[int, int]:
-    """The fused kernel's (value columns a program, warps) for value heads of dv."""
-    if FUSE_GATED_NORM:
-        return triton.next_power_of_2(dv), FUSED_NORM_WARPS
-    return min(BLOCK_V, triton.next_power_of_2(dv)), NUM_WARPS
 
 
 @triton.jit(do_not_specialize=["write_state", "write_output"])
@@ -132,8 +109,7 @@ def _gdn_fused_kernel(
     Dk, Dv, key_dim, rep, scale, write_state, write_output,
     s_slot, s_head, s_k, x_row, a_row, b_row, o_row, o_head,
     pf_ptr, pf_lines, num_seqs,
-    z_ptr, nw_ptr, z_row, z_head, eps,  # NORM: the gate rows and the norm's weight
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, NORM: tl.constexpr, ROUND_Y: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     if PREFETCH:  # the programs past the sequences' prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_seqs:
@@ -158,8 +134,6 @@ def _gdn_fused_kernel(
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # [BLOCK_K, BLOCK_V] fp32
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    if NORM:  # a weight
-        nw = tl.load(nw_ptr + vs, mask=mv, other=0.0).to(tl.float32)
     pdl.sync(PDL)
     for t in range(count):
         row = start + t
@@ -179,14 +153,6 @@ def _gdn_fused_kernel(
         s = s + k[:, None] * delta[None, :]
         if write_output != 0:
             o = tl.sum(s * q[:, None], axis=0)
-            if NORM:  # the gated norm's steps (norm_triton, MODE 2, silu) on the head's Dv outputs in o's dtype
-                o = o.to(o_ptr.dtype.element_ty).to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / Dv + eps)
-                o = nw * (o * rstd).to(o_ptr.dtype.element_ty).to(tl.float32)
-                if ROUND_Y:
-                    o = o.to(o_ptr.dtype.element_ty).to(tl.float32)
-                zg = tl.load(z_ptr + row * z_row + h * z_head + vs, mask=mv, other=0.0).to(tl.float32)
-                o = o * (zg * tl.sigmoid(zg))
             tl.store(o_ptr + row * o_row + h * o_head + vs, o.to(o_ptr.dtype.element_ty), mask=mv)
     if write_state != 0:
         tl.store(s_ptrs, s, mask=s_mask)
@@ -205,14 +171,12 @@ def gdn_fused(
     compute_output: bool = True,
     out_dtype: torch.dtype = torch.float32,
     prefetch: l2_prefetch.Span | None = None,
-    norm: GatedNorm | None = None,
 ) -> torch.Tensor | None:
     """The gated delta rule with its input preparation fused in (l2-norm and scale of q and k, value
     head j reading key head j // (Hv / Hk), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias))
     -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False. One kernel serves decode,
     verify (write_state=False) and the commit replay (compute_output=False). prefetch: queued by
-    extra programs of the launch (l2_prefetch). norm (FUSE_GATED_NORM only): the outputs are the layer's
-    gated norm of them, with the bits of norm_triton.gated_rms_norm's steps."""
+    extra programs of the launch (l2_prefetch)."""
     assert state.dtype == torch.float32 and state.stride(-1) == 1
     conv_out = _inner_contiguous(conv_out)
     a, b = _inner_contiguous(a), _inner_contiguous(b)
@@ -222,21 +186,15 @@ def gdn_fused(
     if batch.num_seqs == 0 or n == 0:
         return out
     o = out if out is not None else state  # never written when compute_output is False
-    block_v, warps = fused_tile(dv)
+    block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     v_tiles = triton.cdiv(dv, block_v)
     extra, pf_args = l2_prefetch.launch_args(prefetch, num_heads * v_tiles, state)
-    if norm is not None:
-        assert FUSE_GATED_NORM and out is not None and norm.z.stride(-1) == 1 and norm.z.shape == out.shape, "gdn_fused: a gated norm needs FUSE_GATED_NORM and z [N, Hv, Dv]"
-        z, nw, z_strides, eps = norm.z, norm.weight, (norm.z.stride(0), norm.z.stride(1)), norm.eps
-        round_y = torch.promote_types(out_dtype, nw.dtype) != torch.float32
-    else:
-        z, nw, z_strides, eps, round_y = state, state, (0, 0), 0.0, False  # unread stand-ins
     _gdn_fused_kernel[(batch.num_seqs + extra, num_heads, v_tiles)](
         state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        num_seqs=batch.num_seqs, **pf_args, z_ptr=z, nw_ptr=nw, z_row=z_strides[0], z_head=z_strides[1], eps=eps,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, NORM=norm is not None, ROUND_Y=round_y, num_warps=warps, **pdl.launch_kwargs(),
+        num_seqs=batch.num_seqs, **pf_args,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

@@ -171,20 +171,19 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = self._project(x)
         return kernels.causal_conv1d_batched(windows, mixed_qkv, conv_weight, batch), z, b, a
 
-    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype, prefetch=None, norm=None):
+    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype, prefetch=None):
         """The recurrence over batch's rows: the fused kernel on the Triton path (which queues `prefetch`,
-        kernels.l2_span, and runs `norm`, kernels.gated_norm_in_gdn), else torch -> [N, Hv, Dv]."""
+        kernels.l2_span), else torch -> [N, Hv, Dv]."""
         if kernels.use_triton(conv_out):
-            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype, prefetch=prefetch, norm=norm)
+            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype, prefetch=prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch, write_state=write_state).to(out_dtype)
 
-    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None, norm=None) -> tuple[torch.Tensor, bool]:
-        """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence ->
-        ([N, Hv, Dv], whether `norm` ran: only when the recurrence takes every row)."""
+    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None) -> torch.Tensor:  # -> [N, Hv, Dv]
+        """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence."""
         chunked, rest = split_extend(batch)
         if chunked is None:
-            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch, norm), norm is not None
+            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         out = kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked)  # fp32; the chunked rows only
         if sum(rest.num_rows):
@@ -194,7 +193,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 tail = kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, rest)
             out[rows] = tail[rows]
-        return out.to(out_dtype), False
+        return out.to(out_dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
         """defer_sum: out_proj's output may be its split-K partials, for the decoder's next add + norm."""
@@ -203,14 +202,11 @@ class GatedDeltaNet(nn.Module):
         batch = kernels.seq_batch(ctx)
         conv_pool, recurrent_pool = state.conv[self.state_index], state.recurrent[self.state_index]
         prefetch = kernels.l2_span(self.out_proj.weight, x, "out_proj")  # by the recurrence's launch
-        normed = False
         if ctx.mode is ForwardMode.VERIFY:
             mixed_qkv, z, b, a = self._project(x)
             conv_out = kernels.causal_conv1d_batched(conv_pool, mixed_qkv, self.conv1d.weight[:, 0, :], batch, write_state=False)
             if kernels.use_triton(x):
-                norm = self._norm_in_gdn(z)
-                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype, prefetch=prefetch, norm=norm)
-                normed = norm is not None
+                core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype, prefetch=prefetch)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
             else:
                 q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
@@ -218,13 +214,9 @@ class GatedDeltaNet(nn.Module):
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
             conv_out, z, b, a = self._project_conv(x, conv_pool, batch)
-            core, normed = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype, prefetch, self._norm_in_gdn(z))
-        y = (core if normed else self.norm(core, z)).reshape(n, self.num_v_heads * self.v_head_dim)
+            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype, prefetch)
+        y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y, defer_sum=defer_sum)
-
-    def _norm_in_gdn(self, z: torch.Tensor):
-        """This layer's gated norm for the recurrence's launch, or None (kernels.gated_norm_in_gdn)."""
-        return kernels.gated_norm_in_gdn(z, self.norm.weight, self.norm.eps, self.norm.act)
 
     def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
         """Fold the replay batch's rows (each sequence's first accepted verify rows) into the live state."""
