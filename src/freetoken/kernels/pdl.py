@@ -21,12 +21,13 @@ the H200 and taken out, as it competes with the previous kernel's stream: L2 bul
 linear's rows) and each linear's first weight tile (9B 221.3 -> 210.8 tok/s across runs, no gain at
 35B-A3B in the same run), and the MoE down's whole weight tile in each direct-layout program, its
 expert known from its own routing, while gate_up streams (35B-A3B cut to 24 layers on an H100: 1.880
-against 1.801 ms; logs/variants-35b-l24-down-preload-095c162-h100.jsonl). Releasing the next kernel only after the K loop, so that its prefetches
-overlap just this kernel's tail, did not help either (35B-A3B 2.541 ms without, 2.563 with the late
-release alone, 2.765 with the prefetches too; bench/results/logs/variants-35b-late-prefetch-b8ccd62.jsonl),
-nor did prefetching each output projection into L2 from a side stream forked after the input
-projection, while the latency-bound kernels between them run (2.536 -> 2.646 ms; 9B 226.5 -> 216.9
-tok/s; logs/variants-*-side-prefetch-5721537.jsonl).
+against 1.801 ms; logs/variants-35b-l24-down-preload-095c162-h100.jsonl). Releasing the next kernel
+only after the K loop, so that its prefetches overlap just this kernel's tail, did not help either
+(35B-A3B 2.541 ms without, 2.563 with the late release alone, 2.765 with the prefetches too;
+bench/results/logs/variants-35b-late-prefetch-b8ccd62.jsonl), nor did prefetching each output
+projection into L2 from a side stream forked after the input projection, while the latency-bound
+kernels between them run (2.536 -> 2.646 ms; 9B 226.5 -> 216.9 tok/s;
+logs/variants-*-side-prefetch-5721537.jsonl).
 
 After its wait a latency-bound launch may prefetch the first MiB of the next GEMM's weight into L2,
 from programs of its own that do nothing else (l2_prefetch.py): that paid, where streaming before the
