@@ -101,6 +101,13 @@ DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 # (pdl.wait_count). 35B-A3B decode step cut to 24 layers on an H100: 1.836 / 1.834 ms with it against
 # 1.855 / 1.848 without (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
 DOWN_WAITS_FOR_ROW = True
+# The expert GEMMs' routing (GemmRoute) with a copy of the token's logits per warp, so that each of its
+# eleven reductions stays inside a warp (_top_k), instead of one copy across the warps (two barriers each).
+ROUTE_PER_WARP = True
+# With the routing in the GEMMs, gate_up (and down's early routing) waits for a per-token counter that
+# each MoE entry program raises once its gate logits are stored, instead of the entry's whole grid
+# (`entry_counters`, moe_gate_triton).
+GATE_UP_WAITS_FOR_ENTRY = False
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
@@ -127,38 +134,51 @@ def _direct_blocks(sorted_ids_ptr, block_expert_ptr, rows, experts, mask, T, fir
 
 @triton.jit
 def _top_k(logits, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token's fp32 router logits [BLOCK_E] (-inf past E) -> (ids [TOP_K_POW2] int32, weights
-    [TOP_K_POW2] fp32 renormalised; slots past TOP_K 0): softmax, then top_k by iterative max. (All
-    eight in one tl.reduce with a bitonic top-8 merge builds with 8 barriers instead of 29 but measured
-    slower in the 35B-A3B step: 2.346 against 2.332 ms, logs/variants-35b-topk-network-c5a2dae.jsonl.)"""
-    cols = tl.arange(0, BLOCK_E)
-    p = tl.exp(logits - tl.max(logits, 0))
-    p = p / tl.sum(p, 0)
+    """One token's fp32 router logits [REP, BLOCK_E] (REP copies of the row; -inf past E) -> (ids
+    [REP, TOP_K_POW2] int32, weights [REP, TOP_K_POW2] fp32 renormalised; slots past TOP_K 0), each row
+    the same: softmax, then top_k by iterative max. Every reduction runs along a row, so with one copy
+    per warp (REP = num_warps, `ROUTE_PER_WARP`) it stays inside the warp (shuffles, no barrier), and a
+    row's sums take the same order as a one-warp launch's. (All eight picks in one tl.reduce with a
+    bitonic top-8 merge measured slower in the 35B-A3B step: 2.346 against 2.332 ms,
+    logs/variants-35b-topk-network-c5a2dae.jsonl.)"""
+    cols = tl.arange(0, BLOCK_E)[None, :]
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
     # One int64 key per expert, so that each pick is one reduction: a probability (>= +0) orders as its
     # fp32 bits, and the low word (BLOCK_E - 1 - id) makes the lowest id win among equal probabilities.
     # Padding (-1) never wins, even over probabilities that underflow to 0.
     key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
     key = tl.where(cols < E, key, -1)
-    slots = tl.arange(0, TOP_K_POW2)
-    ids = tl.zeros((TOP_K_POW2,), dtype=tl.int32)
-    w = tl.zeros((TOP_K_POW2,), dtype=tl.float32)
+    slots = tl.arange(0, TOP_K_POW2)[None, :]
+    ids = tl.zeros((logits.shape[0], TOP_K_POW2), dtype=tl.int32)
+    w = tl.zeros((logits.shape[0], TOP_K_POW2), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(key, 0)
+        best = tl.max(key, 1)[:, None]
         e = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
         ids = tl.where(slots == k, e, ids)
         w = tl.where(slots == k, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
         key = tl.where(cols == e, -1, key)
-    return ids, w / tl.sum(w, 0)
+    return ids, w / tl.sum(w, 1)[:, None]
+
+
+@triton.jit
+def _router_logits(logits_ptr, token, stride_l, E, BLOCK_E: tl.constexpr, REP: tl.constexpr):
+    """Token `token`'s router logits as _top_k takes them: fp32 [REP, BLOCK_E], -inf past E."""
+    cols = tl.arange(0, BLOCK_E)[None, :] + 0 * tl.arange(0, REP)[:, None]
+    return tl.load(logits_ptr + token.to(tl.int64) * stride_l + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
 
 
 @triton.jit
 def _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr):
-    """A token's experts row (the shared expert E in column TOP_K when ROW_K > TOP_K) and weights row."""
-    slots = tl.arange(0, TOP_K_POW2)
-    tl.store(experts_ptr + token * ROW_K + slots, ids, mask=slots < TOP_K)
+    """A token's experts row (the shared expert E in column TOP_K when ROW_K > TOP_K) and weights row,
+    from _top_k's first copy of ids and w [REP, TOP_K_POW2]."""
+    copy = tl.arange(0, ids.shape[0])[:, None]
+    slots = tl.arange(0, TOP_K_POW2)[None, :] + 0 * copy
+    mine = (copy == 0) & (slots < TOP_K)
+    tl.store(experts_ptr + token * ROW_K + slots, ids, mask=mine)
     if ROW_K > TOP_K:  # the shared expert, held as expert E
         tl.store(experts_ptr + token * ROW_K + TOP_K, E)
-    tl.store(weights_ptr + token * TOP_K + slots, w.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(weights_ptr + token * TOP_K + slots, w.to(weights_ptr.dtype.element_ty), mask=mine)
 
 
 @triton.jit
@@ -166,12 +186,13 @@ def _route_token(
     logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """Route one token from its fp32 router logits [BLOCK_E] (-inf past E): softmax, top_k, renormalised
-    weights, and its direct row blocks when DIRECT (module docstring, route)."""
+    """Route one token from its fp32 router logits [REP, BLOCK_E] (_router_logits): softmax, top_k,
+    renormalised weights, and its direct row blocks when DIRECT (module docstring, route)."""
     ids, w = _top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
     _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K, TOP_K_POW2, ROW_K)
     slots = tl.arange(0, TOP_K_POW2)
     if DIRECT:  # this token's row blocks of the direct layout
+        ids = tl.max(ids, 0)  # its copies are equal
         _direct_blocks(sorted_ids_ptr, block_expert_ptr, token * ROW_K + slots, ids, slots < TOP_K, T, first, C, BLOCK_M)
         if ROW_K > TOP_K:
             _direct_blocks(sorted_ids_ptr, block_expert_ptr, token * ROW_K + TOP_K + slots, E + 0 * slots, slots == 0, T, first, C, BLOCK_M)
@@ -186,8 +207,7 @@ def _route_kernel(
 ):
     pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token * stride_lm + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+    logits = _router_logits(logits_ptr, token, stride_lm, E, BLOCK_E, 1)  # one warp
     _route_token(logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, BLOCK_M, DIRECT)
 
 
@@ -244,16 +264,31 @@ def _align_kernel(
 
 
 @triton.jit
-def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr):
+def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, REP: tl.constexpr):
     """Flat row `row` of the direct layout routed from its token's router logits (`GemmRoute`) ->
-    (token, its expert: the slot's pick of `_top_k`, E for the shared expert's slot, ids, weights)."""
+    (token, its expert: the slot's pick of `_top_k`, E for the shared expert's slot, ids, weights
+    [REP, TOP_K_POW2])."""
     token = row // ROW_K
     slot = row % ROW_K
-    cols = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token.to(tl.int64) * stride_l + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
-    ids, w = _top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
-    e = tl.sum(tl.where(tl.arange(0, TOP_K_POW2) == slot, ids, 0), 0)
+    ids, w = _top_k(_router_logits(logits_ptr, token, stride_l, E, BLOCK_E, REP), E, TOP_K, TOP_K_POW2, BLOCK_E)
+    e = tl.max(tl.sum(tl.where(tl.arange(0, TOP_K_POW2)[None, :] == slot, ids, 0), 1), 0)  # its copies are equal
     return token, tl.where(slot < TOP_K, e, E), ids, w
+
+
+@triton.jit
+def _wait_entry(count_ptr, entry_count):
+    """Spin until the MoE entry has stored all `entry_count` gate-logit programs of this token (each
+    raises count_ptr once, with release semantics), then count this program in -> the count it found."""
+    pdl.wait_count(count_ptr, entry_count, 1 << 30)
+    return tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _leave_entry(count_ptr, passed, entry_count, entry_waiters):
+    """The token's last waiter of gate_up and down (`passed`: what `_wait_entry` found) puts its counter
+    back to zero for the next MoE layer's entry; every other waiter has passed by then."""
+    if passed == entry_count + entry_waiters - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -264,17 +299,21 @@ def _gate_up_kernel(
     # routing here (ROUTE_HERE, `GemmRoute`): the router logits, and the routing this launch writes
     logits_ptr, experts_ptr, weights_ptr, stride_l, E,
     ready_ptr,  # ROW_READY: a counter per routed row, raised once per stored tile
+    entry_ptr, entry_count, entry_waiters,  # WAIT_ENTRY: the MoE entry's counter per token (`_wait_entry`)
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PDL: tl.constexpr,
+    ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr,
+    REP: tl.constexpr, WAIT_ENTRY: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if WAIT_ENTRY:  # only this token's gate logits, not the entry's whole grid (pdl.py)
+        pdl.release(PDL)
+        passed = _wait_entry(entry_ptr + pid_m // ROW_K, entry_count)
+    else:
+        pdl.sync(PDL)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTE_HERE:  # block pid_m holds flat row pid_m alone (direct layout, every expert held)
-        token, e, route_ids, route_w = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K)
-        if (pid_n == 0) & (pid_m % ROW_K == 0):  # the token's routing, for the combine
-            _store_routing(experts_ptr, weights_ptr, token, route_ids, route_w, E, TOP_K, TOP_K_POW2, ROW_K)
+        token, e, route_ids, route_w = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, REP)
         ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, T)
     else:
         e = tl.load(block_expert_ptr + pid_m)
@@ -309,6 +348,12 @@ def _gate_up_kernel(
     if ROW_READY:  # this tile of row pid_m is stored: down's programs of the row count it (pdl.wait_count)
         tl.debug_barrier()  # every thread's part of the tile is stored before the counter moves
         tl.atomic_add(ready_ptr + pid_m, 1, sem="release", scope="gpu")
+    if ROUTE_HERE:
+        if (pid_n == 0) & (pid_m % ROW_K == 0):  # the token's routing, for the combine (read after down's grid)
+            _store_routing(experts_ptr, weights_ptr, token, route_ids, route_w, E, TOP_K, TOP_K_POW2, ROW_K)
+    if WAIT_ENTRY:
+        _leave_entry(entry_ptr + pid_m // ROW_K, passed, entry_count, entry_waiters)
+        pdl.finish(PDL)
 
 
 @triton.jit(do_not_specialize=["T", "N"])
@@ -321,16 +366,22 @@ def _down_kernel(
     N, first, stride_sm, stride_gm, stride_ym,
     logits_ptr, stride_l, E,  # routing here (ROUTE_HERE, `GemmRoute`)
     ready_ptr, up_tiles,  # ROW_READY: wait for row pid_m's counter to reach gate_up's feature tiles (mod PERIOD)
+    entry_ptr, entry_count, entry_waiters,  # WAIT_ENTRY: as gate_up's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
-    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr, PDL: tl.constexpr,
+    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr,
+    REP: tl.constexpr, WAIT_ENTRY: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     # Written before gate_up (the row blocks, or the router logits): read, and routed, before the wait (pdl.py).
+    # When gate_up waits for the entry's counter, the entry may still run as this launch starts: the
+    # logits are read once the same counter says they are in.
+    if WAIT_ENTRY:
+        passed = _wait_entry(entry_ptr + pid_m // ROW_K, entry_count)
     if ROUTE_HERE:
-        e = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K)[1]
+        e = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, REP)[1]
         ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, T)
     else:
         e = tl.load(block_expert_ptr + pid_m)
@@ -369,6 +420,8 @@ def _down_kernel(
                     TOP_K, TOP_K_POW2, ROW_K, SHARED, ".cg",
                 )
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    if WAIT_ENTRY:
+        _leave_entry(entry_ptr + pid_m // ROW_K, passed, entry_count, entry_waiters)
     if ROW_READY:
         pdl.finish(PDL)
 
@@ -446,6 +499,8 @@ class GemmRoute(NamedTuple):
     rows: int  # T = N * (top_k + 1)
     first: int  # 0
     count: int  # E + 1
+    entry_counters: torch.Tensor | None = None  # [>= N] int32 (`entry_counters`): raised by the entry, waited on by the GEMMs
+    entry_count: int = 0  # the entry's programs per token (each raises its token's counter once)
 
 
 def is_direct(rows: int) -> bool:
@@ -472,6 +527,21 @@ def row_ready_counters(device: torch.device, period: int) -> torch.Tensor:
     if key not in _row_ready:
         _row_ready[key] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
     return _row_ready[key]
+
+
+_entry: dict[torch.device, torch.Tensor] = {}
+
+
+def entry_counters(device: torch.device) -> torch.Tensor:
+    """int32 [DIRECT_MAX_ROWS]: a counter per token that the MoE entry raises once per program as its
+    gate logits are stored, and that the `GemmRoute` gate_up and down programs wait on (then count
+    themselves in; the last puts it back to zero). One set per device, made on first use, before any
+    graph capture; "cuda" and "cuda:0" are one set."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _entry:
+        _entry[device] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
+    return _entry[device]
 
 
 def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
@@ -607,7 +677,7 @@ def _expert_rows(
     rows = n * row_k
     if blocks is None:
         blocks = row_blocks(experts, first, count)
-    assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
+    assert blocks[2:5] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:5])}, not {(rows, first, count)}"
     ptrs, sizes, strides, meta = combine.launch_args()
     route_here = isinstance(blocks, GemmRoute)
     if route_here:
@@ -623,15 +693,18 @@ def _expert_rows(
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     period = triton.next_power_of_2(up_tiles + feature_tiles)
     ready = row_ready_counters(x.device, period) if row_ready else logits  # an unread stand-in without
+    wait_entry = route_here and blocks.entry_counters is not None
+    entry = (blocks.entry_counters, blocks.entry_count, row_k * (up_tiles + feature_tiles)) if wait_entry else (logits, 0, 0)  # stand-ins without
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready,
+        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready, *entry,
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        **routing, ROW_READY=row_ready, num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
+        **routing, ROW_READY=row_ready, REP=GATE_UP_WARPS if ROUTE_PER_WARP else 1, WAIT_ENTRY=wait_entry,
+        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
@@ -639,10 +712,10 @@ def _expert_rows(
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
+        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles, *entry,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
-        PERIOD=period,
+        PERIOD=period, REP=DOWN_WARPS if ROUTE_PER_WARP else 1, WAIT_ENTRY=wait_entry,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:
