@@ -20,6 +20,7 @@ grid, the increment and duration per step, then the kernels of one step in order
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections import defaultdict
 
@@ -40,8 +41,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--host", action="store_true", help="profile the host side of graphed steps (cProfile) instead")
     ap.add_argument("--graph", action="store_true", help="critical-path time per kernel of graphed steps instead")
+    ap.add_argument("--layers", type=int, default=0, help="keep the shape's first LAYERS layers (a GPU with less memory than the whole shape needs)")
     args = ap.parse_args()
     cfg = SHAPES[args.shape]
+    if args.layers:
+        layer_types = cfg.layer_types[: args.layers]
+        cfg = dataclasses.replace(cfg, num_hidden_layers=len(layer_types), layer_types=layer_types)
     spec = "oracle" if args.k else "none"
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + 64 + args.k + 2,
                           cuda_graphs=args.host or args.graph, spec=spec, num_draft_tokens=args.k)

@@ -107,6 +107,8 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait,
         if route_in_gemms:
             assert (blocks.entry_counters is not None) == entry_wait
         y = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks)
+        # an entry's routing serves one expert pair: its counters are spent by the first
+        s, h, experts, weights, shared_gate, blocks = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
         pending = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks, defer_combine=True)
         exit_s, exit_h = pending.add_zc_rms_norm(s, norm_w, EPS)
         results[route_in_gemms] = (y, experts.clone(), weights.clone(), exit_s, exit_h)

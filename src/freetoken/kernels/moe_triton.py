@@ -499,7 +499,8 @@ class GemmRoute(NamedTuple):
     rows: int  # T = N * (top_k + 1)
     first: int  # 0
     count: int  # E + 1
-    entry_counters: torch.Tensor | None = None  # [>= N] int32 (`entry_counters`): raised by the entry, waited on by the GEMMs
+    # [>= N] int32 (`entry_counters`): raised by the entry, waited on by the GEMMs; spent by the first gate_up + down pair
+    entry_counters: torch.Tensor | None = None
     entry_count: int = 0  # the entry's programs per token (each raises its token's counter once)
 
 
