@@ -79,16 +79,14 @@ def test_a_token_has_the_same_bits_alone_in_a_batch_and_across_launches(device, 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("row_wait,entry_wait", [(True, False), (False, False), (True, True), (False, True)])
-def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait, entry_wait, monkeypatch):
+@pytest.mark.parametrize("row_wait", [True, False])
+def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait, monkeypatch):
     """In the direct layout with the shared expert stacked the entry leaves the routing to gate_up and
     down (`GemmRoute`): the same experts, weights and block output bits as the entry's routing, with
-    the combine in the down launch and deferred to the next add + norm; with gate_up and down waiting
-    on the entry's counters instead of its grid too, which are back at zero after every pair."""
+    the combine in the down launch and deferred to the next add + norm."""
     from tests.kernels.test_moe_triton import shape, stacked_for
 
     monkeypatch.setattr(moe_triton, "DOWN_WAITS_FOR_ROW", row_wait)
-    monkeypatch.setattr(moe_triton, "GATE_UP_WAITS_FOR_ENTRY", entry_wait)
     hidden, num_experts, top_k, _ = shape(device)
     gate_up, down = stacked_for(device, torch.bfloat16)
     x, residual, norm_w = _inputs(tokens, hidden, torch.bfloat16, device, seed=tokens)
@@ -104,11 +102,7 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait,
         monkeypatch.setattr(moe_gate_triton, "ROUTE_IN_GEMMS", route_in_gemms)
         s, h, experts, weights, shared_gate, blocks = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
         assert isinstance(blocks, moe_triton.GemmRoute) == route_in_gemms
-        if route_in_gemms:
-            assert (blocks.entry_counters is not None) == entry_wait
         y = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks)
-        # an entry's routing serves one expert pair: its counters are spent by the first
-        s, h, experts, weights, shared_gate, blocks = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
         pending = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks, defer_combine=True)
         exit_s, exit_h = pending.add_zc_rms_norm(s, norm_w, EPS)
         results[route_in_gemms] = (y, experts.clone(), weights.clone(), exit_s, exit_h)
@@ -117,7 +111,6 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait,
     # Each GemmRoute gate_up + down pair (two here) takes every row's ready counter up by one PERIOD
     # (moe_triton.DOWN_WAITS_FOR_ROW), and no other row's; without the row wait they stay put.
     assert torch.equal(ready[:rows] - ready_before, torch.full_like(ready_before, 2 * period if row_wait else 0))
-    assert not moe_triton.entry_counters(torch.device(device)).any()
 
 
 def test_row_ready_counters_are_kept_apart_per_period():

@@ -78,14 +78,14 @@ _SM90_PTX = """
 from freetoken.kernels import moe_gate_triton
 from tests.kernels.sm90_build import ptx
 
-pointers = ("x_ptr", "r_ptr", "norm_w_ptr", "s_ptr", "h_ptr", "gates_ptr", "logits_ptr", "count_ptr", "signal_ptr",
+pointers = ("x_ptr", "r_ptr", "norm_w_ptr", "s_ptr", "h_ptr", "gates_ptr", "logits_ptr", "count_ptr",
             "experts_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr")
-signature = {name: "*i32" if name in ("count_ptr", "signal_ptr", "experts_ptr", "sorted_ids_ptr", "block_expert_ptr") else "*bf16" for name in pointers}
+signature = {name: "*i32" if name in ("count_ptr", "experts_ptr", "sorted_ids_ptr", "block_expert_ptr") else "*bf16" for name in pointers}
 signature |= {name: "i32" for name in ("H", "G", "E")} | {"eps": "fp32"}
 signature |= {name: "i32" for name in ("stride_x", "stride_xs", "stride_r", "stride_s", "stride_h", "stride_g", "stride_l", "T", "first", "C", "pf_lines", "num_tokens")}
 signature |= {"pf_ptr": "*u8"}
 constants = {"X_SPLIT": 0, "BLOCK_H": 2048, "GATE_ROWS": moe_gate_triton.GATE_ROWS, "TOP_K": 8, "TOP_K_POW2": 8, "BLOCK_E": 256, "ROW_K": 9, "REP": 1,
-             "BLOCK_M": 16, "DIRECT": True, "ROUTE": True, "SIGNAL": False, "PREFETCH": False, "PDL": True}
+             "BLOCK_M": 16, "DIRECT": True, "ROUTE": True, "PREFETCH": False, "PDL": True}
 signature |= {name: "constexpr" for name in constants}
 print(ptx(moe_gate_triton._add_norm_route_kernel, signature, constants, {"num_warps": 4, "launch_pdl": True}))
 """

@@ -28,24 +28,21 @@ def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
 
 m, lt = moe_triton, linear_triton
 i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
-entry = ("entry_count", "entry_waiters")  # the logits' row stride is 16-aligned (moe_gate_triton), so specialised
-def gate_up(wait_entry):
-    return ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32
-               | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "ready_ptr": "*i32", "entry_ptr": "*i32"},
-               ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E") + entry,
-               dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
-                    ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, REP=m.GATE_UP_WARPS, WAIT_ENTRY=wait_entry, PDL=True),
-               {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}, unspecialised=("T", "E") + entry)
+# The router logits' row stride is 16-aligned (moe_gate_triton), so specialised.
 built = {
-    "gate_up": gate_up(False),
-    "gate_up_waiting_for_the_entry": gate_up(True),
+    "gate_up": ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32
+                   | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "ready_ptr": "*i32"},
+                   ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E"),
+                   dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
+                        ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, REP=m.GATE_UP_WARPS, PDL=True),
+                   {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}, unspecialised=("T", "E")),
     "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
-                | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32", "entry_ptr": "*i32"},
-                ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles") + entry,
+                | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32"},
+                ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles"),
                 dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=True, TOP_K=8, TOP_K_POW2=8,
                      ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, ROUTE_HERE=True, BLOCK_E=256, ROW_READY=True, PERIOD=64,
-                     REP=m.DOWN_WARPS, WAIT_ENTRY=False, PDL=True),
-                {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "E", "up_tiles") + entry),
+                     REP=m.DOWN_WARPS, PDL=True),
+                {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "E", "up_tiles")),
 }
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
@@ -59,7 +56,6 @@ built["linear_conv"] = ptx(lt._linear_conv_kernel, {"x_ptr": "*bf16", "w_ptr": "
                            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", "conv_wc"))
 order = {name: [built[name].find(op) for op in ops] for name, ops in
          (("gate_up", ("griddepcontrol.wait", "wgmma.mma_async", ".gpu.release.add")),
-          ("gate_up_waiting_for_the_entry", ("griddepcontrol.launch_dependents", ".gpu.acquire", "wgmma.mma_async", ".gpu.release.add", "griddepcontrol.wait")),
           ("down", ("griddepcontrol.launch_dependents", ".gpu.acquire", "wgmma.mma_async", "griddepcontrol.wait")))}
 p = built["gate_up"]
 routing = p[p.find("griddepcontrol.launch_dependents"):p.find("cp.async")]  # from the wait to the first weight load
@@ -73,7 +69,7 @@ def counts():
     return json.loads(sm90_build.run(_BUILD))
 
 
-@pytest.mark.parametrize("kernel", ["gate_up", "gate_up_waiting_for_the_entry", "down", "linear", "linear_conv"])
+@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv"])
 def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
     wgmma, mma_sync = counts["dots"][kernel]
     assert wgmma > 0 and mma_sync == 0, f"{kernel}: {wgmma} wgmma, {mma_sync} mma.sync"
@@ -82,8 +78,7 @@ def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
 def test_down_waits_for_its_row_not_the_gate_up_grid_in_the_sm90_build(counts):
     """moe_triton.DOWN_WAITS_FOR_ROW: gate_up raises its row's counter (release) after its dots; down
     lets the next kernel launch, spins on the counter (acquire) before its dots, and waits for the
-    gate_up grid only after them, so the launch after down still finds gate_up finished. With
-    GATE_UP_WAITS_FOR_ENTRY gate_up does the same with the MoE entry's counter of its token."""
+    gate_up grid only after them, so the launch after down still finds gate_up finished."""
     for kernel, positions in counts["order"].items():
         assert -1 not in positions and positions == sorted(positions), f"{kernel}: {positions}"
 

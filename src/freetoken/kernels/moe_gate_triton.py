@@ -43,12 +43,12 @@ _counters: dict[torch.device, torch.Tensor] = {}
 @triton.jit(do_not_specialize=["T"])
 def _add_norm_route_kernel(
     x_ptr, r_ptr, norm_w_ptr, s_ptr, h_ptr,
-    gates_ptr, logits_ptr, count_ptr, signal_ptr,
+    gates_ptr, logits_ptr, count_ptr,
     experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
     H, G, E, eps, stride_x, stride_xs, stride_r, stride_s, stride_h, stride_g, stride_l, T, first, C, pf_ptr, pf_lines, num_tokens,
     X_SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, GATE_ROWS: tl.constexpr,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, REP: tl.constexpr,
-    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, ROUTE: tl.constexpr, SIGNAL: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, DIRECT: tl.constexpr, ROUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_tokens:
@@ -73,9 +73,6 @@ def _add_norm_route_kernel(
     logits = tl.sum(gw.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     tl.store(logits_ptr + token * stride_l + rows, logits.to(logits_ptr.dtype.element_ty), mask=rows < G)
     if not ROUTE:  # the expert GEMMs route (moe_triton.GemmRoute)
-        if SIGNAL:  # ... and wait for these logits (and s, h) on the token's counter, not for this grid
-            tl.debug_barrier()  # every thread's stores are issued before the counter moves
-            tl.atomic_add(signal_ptr + token, 1, sem="release", scope="gpu")
         return
     tl.debug_barrier()  # every thread's logits are written before the counter moves
     arrived = tl.atomic_add(count_ptr + token, 1, sem="acq_rel", scope="gpu")
@@ -129,19 +126,17 @@ def add_norm_route(
     logits = torch.empty((n, triton.cdiv(num_gates, 16) * 16), dtype=dtype, device=device)[:, :num_gates]
     counters = _token_counters(device)
     gate_programs = triton.cdiv(num_gates, GATE_ROWS)
-    signal = gemm_route and moe_triton.GATE_UP_WAITS_FOR_ENTRY
-    entry = moe_triton.entry_counters(device) if signal else counters  # an unread stand-in without
     for t0 in range(0, n, MAX_TOKENS_PER_LAUNCH):  # direct blocks (T <= DIRECT_MAX_ROWS) take one launch
         tokens = min(MAX_TOKENS_PER_LAUNCH, n - t0)
         extra, pf_args = l2_prefetch.launch_args(prefetch if t0 == 0 else None, gate_programs, s)
         _add_norm_route_kernel[(tokens + extra, gate_programs)](
             x[t0:] if not x_split else x[:, t0:], residual[t0:], norm_weight, s[t0:], h[t0:],
-            gates, logits[t0:], counters, entry,
+            gates, logits[t0:], counters,
             out.experts[t0:], out.weights[t0:], *out.block_ptrs,
             hidden, num_gates, num_experts, eps, stride_x, stride_xs, residual.stride(0), s.stride(0), h.stride(0), gates.stride(0), logits.stride(0),
             out.rows, first, out.count, num_tokens=tokens, **pf_args,
-            X_SPLIT=x_split, BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, ROUTE=not gemm_route, SIGNAL=signal,
+            X_SPLIT=x_split, BLOCK_H=triton.next_power_of_2(hidden), GATE_ROWS=GATE_ROWS, ROUTE=not gemm_route,
             REP=norm_triton.ADD_NORM_WARPS if moe_triton.ROUTE_PER_WARP else 1, num_warps=norm_triton.ADD_NORM_WARPS, **out.meta, **pdl.launch_kwargs(),
         )
-    blocks = moe_triton.GemmRoute(logits, num_experts, out.rows, first, out.count, entry if signal else None, gate_programs) if gemm_route else out.blocks
+    blocks = moe_triton.GemmRoute(logits, num_experts, out.rows, first, out.count) if gemm_route else out.blocks
     return s, h, out.experts, out.weights, logits[:, num_experts:], blocks

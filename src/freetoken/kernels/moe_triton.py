@@ -104,10 +104,6 @@ DOWN_WAITS_FOR_ROW = True
 # The expert GEMMs' routing (GemmRoute) with a copy of the token's logits per warp, so that each of its
 # eleven reductions stays inside a warp (_top_k), instead of one copy across the warps (two barriers each).
 ROUTE_PER_WARP = True
-# With the routing in the GEMMs, gate_up (and down's early routing) waits for a per-token counter that
-# each MoE entry program raises once its gate logits are stored, instead of the entry's whole grid
-# (`entry_counters`, moe_gate_triton).
-GATE_UP_WAITS_FOR_ENTRY = False
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
@@ -275,22 +271,6 @@ def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: t
     return token, tl.where(slot < TOP_K, e, E), ids, w
 
 
-@triton.jit
-def _wait_entry(count_ptr, entry_count):
-    """Spin until the MoE entry has stored all `entry_count` gate-logit programs of this token (each
-    raises count_ptr once, with release semantics), then count this program in -> the count it found."""
-    pdl.wait_count(count_ptr, entry_count, 1 << 30)
-    return tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _leave_entry(count_ptr, passed, entry_count, entry_waiters):
-    """The token's last waiter of gate_up and down (`passed`: what `_wait_entry` found) puts its counter
-    back to zero for the next MoE layer's entry; every other waiter has passed by then."""
-    if passed == entry_count + entry_waiters - 1:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-
-
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -299,18 +279,13 @@ def _gate_up_kernel(
     # routing here (ROUTE_HERE, `GemmRoute`): the router logits, and the routing this launch writes
     logits_ptr, experts_ptr, weights_ptr, stride_l, E,
     ready_ptr,  # ROW_READY: a counter per routed row, raised once per stored tile
-    entry_ptr, entry_count, entry_waiters,  # WAIT_ENTRY: the MoE entry's counter per token (`_wait_entry`)
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr,
-    REP: tl.constexpr, WAIT_ENTRY: tl.constexpr, PDL: tl.constexpr,
+    REP: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if WAIT_ENTRY:  # only this token's gate logits, not the entry's whole grid (pdl.py)
-        pdl.release(PDL)
-        passed = _wait_entry(entry_ptr + pid_m // ROW_K, entry_count)
-    else:
-        pdl.sync(PDL)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTE_HERE:  # block pid_m holds flat row pid_m alone (direct layout, every expert held)
         token, e, route_ids, route_w = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, REP)
@@ -351,9 +326,6 @@ def _gate_up_kernel(
     if ROUTE_HERE:
         if (pid_n == 0) & (pid_m % ROW_K == 0):  # the token's routing, for the combine (read after down's grid)
             _store_routing(experts_ptr, weights_ptr, token, route_ids, route_w, E, TOP_K, TOP_K_POW2, ROW_K)
-    if WAIT_ENTRY:
-        _leave_entry(entry_ptr + pid_m // ROW_K, passed, entry_count, entry_waiters)
-        pdl.finish(PDL)
 
 
 @triton.jit(do_not_specialize=["T", "N"])
@@ -366,20 +338,15 @@ def _down_kernel(
     N, first, stride_sm, stride_gm, stride_ym,
     logits_ptr, stride_l, E,  # routing here (ROUTE_HERE, `GemmRoute`)
     ready_ptr, up_tiles,  # ROW_READY: wait for row pid_m's counter to reach gate_up's feature tiles (mod PERIOD)
-    entry_ptr, entry_count, entry_waiters,  # WAIT_ENTRY: as gate_up's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
     ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr,
-    REP: tl.constexpr, WAIT_ENTRY: tl.constexpr, PDL: tl.constexpr,
+    REP: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     # Written before gate_up (the row blocks, or the router logits): read, and routed, before the wait (pdl.py).
-    # When gate_up waits for the entry's counter, the entry may still run as this launch starts: the
-    # logits are read once the same counter says they are in.
-    if WAIT_ENTRY:
-        passed = _wait_entry(entry_ptr + pid_m // ROW_K, entry_count)
     if ROUTE_HERE:
         e = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, REP)[1]
         ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, T)
@@ -420,8 +387,6 @@ def _down_kernel(
                     TOP_K, TOP_K_POW2, ROW_K, SHARED, ".cg",
                 )
             tl.atomic_xchg(counter_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-    if WAIT_ENTRY:
-        _leave_entry(entry_ptr + pid_m // ROW_K, passed, entry_count, entry_waiters)
     if ROW_READY:
         pdl.finish(PDL)
 
@@ -499,9 +464,6 @@ class GemmRoute(NamedTuple):
     rows: int  # T = N * (top_k + 1)
     first: int  # 0
     count: int  # E + 1
-    # [>= N] int32 (`entry_counters`): raised by the entry, waited on by the GEMMs; spent by the first gate_up + down pair
-    entry_counters: torch.Tensor | None = None
-    entry_count: int = 0  # the entry's programs per token (each raises its token's counter once)
 
 
 def is_direct(rows: int) -> bool:
@@ -528,21 +490,6 @@ def row_ready_counters(device: torch.device, period: int) -> torch.Tensor:
     if key not in _row_ready:
         _row_ready[key] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
     return _row_ready[key]
-
-
-_entry: dict[torch.device, torch.Tensor] = {}
-
-
-def entry_counters(device: torch.device) -> torch.Tensor:
-    """int32 [DIRECT_MAX_ROWS]: a counter per token that the MoE entry raises once per program as its
-    gate logits are stored, and that the `GemmRoute` gate_up and down programs wait on (then count
-    themselves in; the last puts it back to zero). One set per device, made on first use, before any
-    graph capture; "cuda" and "cuda:0" are one set."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _entry:
-        _entry[device] = torch.zeros(DIRECT_MAX_ROWS, dtype=torch.int32, device=device)
-    return _entry[device]
 
 
 def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
@@ -678,7 +625,7 @@ def _expert_rows(
     rows = n * row_k
     if blocks is None:
         blocks = row_blocks(experts, first, count)
-    assert blocks[2:5] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:5])}, not {(rows, first, count)}"
+    assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
     ptrs, sizes, strides, meta = combine.launch_args()
     route_here = isinstance(blocks, GemmRoute)
     if route_here:
@@ -694,17 +641,15 @@ def _expert_rows(
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     period = triton.next_power_of_2(up_tiles + feature_tiles)
     ready = row_ready_counters(x.device, period) if row_ready else logits  # an unread stand-in without
-    wait_entry = route_here and blocks.entry_counters is not None
-    entry = (blocks.entry_counters, blocks.entry_count, row_k * (up_tiles + feature_tiles)) if wait_entry else (logits, 0, 0)  # stand-ins without
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready, *entry,
+        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready,
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        **routing, ROW_READY=row_ready, REP=GATE_UP_WARPS if ROUTE_PER_WARP else 1, WAIT_ENTRY=wait_entry,
+        **routing, ROW_READY=row_ready, REP=GATE_UP_WARPS if ROUTE_PER_WARP else 1,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
@@ -713,10 +658,10 @@ def _expert_rows(
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles, *entry,
+        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
-        PERIOD=period, REP=DOWN_WARPS if ROUTE_PER_WARP else 1, WAIT_ENTRY=wait_entry,
+        PERIOD=period, REP=DOWN_WARPS if ROUTE_PER_WARP else 1,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:
