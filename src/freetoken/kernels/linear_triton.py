@@ -37,6 +37,7 @@ BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
 TARGET_PROGRAMS = 256  # programs per launch at M <= BLOCK_M: about two per SM on an H200 (bench/linear_graph_sweep.py)
 NUM_WARPS = 4  # warps a program (a setting for bench/variants.py: decode keeps one to two programs an SM busy)
+BLOCK_K = 128  # K step on 16-bit weights (a setting for bench/variants.py; another K step sums in another order)
 # A Gated DeltaNet decode step runs its convolution in the input projection's launch (`linear_conv`),
 # not a launch of its own.
 CONV_IN_PROJECTION = True
@@ -162,7 +163,7 @@ def _linear_conv_kernel(
 
 def config_for(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     """The launch configuration of an [N, K] weight: a function of the weight's shape and dtype only."""
-    block_n, block_k = (64, 32) if dtype == torch.float32 else (64, 128)
+    block_n, block_k = (64, 32) if dtype == torch.float32 else (64, BLOCK_K)
     n_tiles = triton.cdiv(n, block_n)
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(k_blocks // 4, TARGET_PROGRAMS // n_tiles))  # each slice keeps >= 4 K blocks
