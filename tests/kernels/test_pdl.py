@@ -74,6 +74,14 @@ def test_a_launch_that_waits_on_counters_releases_first_and_waits_for_the_grid_l
     assert source.rstrip().endswith("pdl.finish(PDL)")
 
 
+def test_gate_up_stores_the_routing_before_its_row_counter_lets_down_pass():
+    """With the routing in the expert GEMMs (moe_triton.GemmRoute), down's last program of a feature
+    tile combines every token from the routing that gate_up stores; down passes its wait on the row
+    counter that gate_up raises with release semantics, so the routing is stored before that raise."""
+    source = inspect.getsource(KERNELS["moe_triton._gate_up_kernel"].fn)
+    assert -1 < source.find("_store_routing(") < source.find("tl.debug_barrier()") < source.find("tl.atomic_add(ready_ptr")
+
+
 _SM90_PTX = """
 from freetoken.kernels import moe_gate_triton
 from tests.kernels.sm90_build import ptx
