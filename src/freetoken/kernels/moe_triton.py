@@ -321,8 +321,9 @@ def _gate_up_kernel(
     up = acc_up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
-    if ROUTE_HERE:  # the token's routing, for the combine: in the down launch its last program of a
-        # feature tile reads every token's, ordered after this store by the row counter's release below
+    # The token's routing, for the combine: in the down launch the last program of a feature tile reads
+    # every token's, ordered after this store by the row counter's release below.
+    if ROUTE_HERE:
         if (pid_n == 0) & (pid_m % ROW_K == 0):
             _store_routing(experts_ptr, weights_ptr, token, route_ids, route_w, E, TOP_K, TOP_K_POW2, ROW_K)
     if ROW_READY:  # this tile of row pid_m is stored: down's programs of the row count it (pdl.wait_count)
