@@ -530,18 +530,20 @@ def row_ready_counters(device: torch.device, period: int) -> torch.Tensor:
     return _row_ready[key]
 
 
-_pair_arrivals: dict[torch.device, torch.Tensor] = {}
+_pair_arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def pair_counters(device: torch.device, count: int) -> torch.Tensor:
-    """int32 [>= count]: an arrival counter per (row block, feature tile) of a gate_up launch with the
-    gate and up tiles apart (GATE_AND_UP_APART), zero between launches (the pair's second program
-    resets it); made on first use, before any graph capture, and grown only outside one."""
+def pair_counters(device: torch.device, up_tiles: int) -> torch.Tensor:
+    """int32 [DIRECT_MAX_ROWS * up_tiles]: an arrival counter per (row block, feature tile) of a direct-layout
+    gate_up launch with the gate and up tiles apart (GATE_AND_UP_APART), zero between launches (the
+    pair's second program resets it); one set per (device, feature tiles), made on first use, before
+    any graph capture."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _pair_arrivals or _pair_arrivals[device].numel() < count:
-        _pair_arrivals[device] = torch.zeros(max(count, DIRECT_MAX_ROWS * 8), dtype=torch.int32, device=device)
-    return _pair_arrivals[device]
+    key = (device, up_tiles)
+    if key not in _pair_arrivals:
+        _pair_arrivals[key] = torch.zeros(DIRECT_MAX_ROWS * up_tiles, dtype=torch.int32, device=device)
+    return _pair_arrivals[key]
 
 
 def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
@@ -698,7 +700,7 @@ def _expert_rows(
     apart = GATE_AND_UP_APART and is_direct(rows)
     if apart:
         halves = torch.empty((nb * up_tiles * 2 * GATE_UP_BLOCK_N * BLOCK_M,), dtype=x.dtype, device=x.device)
-        pairs = pair_counters(x.device, nb * up_tiles)
+        pairs = pair_counters(x.device, up_tiles)
     else:
         halves = pairs = hidden_rows  # unread stand-ins
     _gate_up_kernel[(2 * up_tiles, nb) if apart else (nb, up_tiles)](
