@@ -104,6 +104,7 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait,
         assert isinstance(blocks, moe_triton.GemmRoute) == route_in_gemms
         y = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks)
         pending = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks, defer_combine=True)
+        assert pending.routed_by_gemms == route_in_gemms  # the exit reads gate_up's routing after its wait
         exit_s, exit_h = pending.add_zc_rms_norm(s, norm_w, EPS)
         results[route_in_gemms] = (y, experts.clone(), weights.clone(), exit_s, exit_h)
     for got, want in zip(results[True], results[False]):

@@ -4,14 +4,18 @@ Up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS tokens the down launch can combine (
 feature tile), but that puts two dependent round trips through L2 (the arrival counter, then the
 expert rows) at the end of the down launch, on the critical path. The block can instead hand back a
 `PendingCombine` (the expert rows and their routing); the decoder's next residual add + zero-centred
-RMSNorm (`kernels.add_zc_rms_norm`) then runs here, one program per token: it loads the routing and
-the norm weight before its PDL wait (the entry wrote the routing three launches back) and orders the
-routed rows there, then loads the token's expert rows, their weights and the residual in one round
-trip, and computes
+RMSNorm (`kernels.add_zc_rms_norm`) then runs here, one program per token: it loads the norm weight
+and the shared gate logit before its PDL wait, and the routing too where the entry wrote it (three
+launches back) and orders the routed rows there, then loads the token's expert rows, their weights
+and the residual in one round trip, and computes
 
     y = combine(rows)            as moe_triton._combine_tile: routed products rounded to x.dtype and
                                  added in fp32 in ascending expert id, then the gated shared expert
     s = (y + residual) in x.dtype, h = norm(s) * (1 + w)    as norm_triton._add_zc_rms_norm_kernel.
+
+Routed in the expert GEMMs (moe_triton.GemmRoute), the routing is gate_up's, two launches back, and
+the down launch between lets this one start before gate_up has ended (it waits on its rows' counters,
+not on gate_up's grid: pdl.py), so the routing is loaded after the wait (`ROUTING_BEFORE_WAIT` off).
 
 Both steps are elementwise per (token, feature) but the norm's one reduction, which is
 `_add_zc_rms_norm_kernel`'s (`norm_triton.zc_norm`, the same block, warps and load pattern: BLOCK_D,
@@ -31,10 +35,26 @@ from freetoken.kernels import l2_prefetch, norm_triton, pdl
 
 
 @triton.jit
+def _slot_order(experts_ptr, token, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr):
+    """The token's routed slots in ascending expert id (top-k ids are distinct), 4 bits each in one int64."""
+    slots = tl.arange(0, TOP_K_POW2)
+    big = 2147483647
+    ids = tl.load(experts_ptr + token * ROW_K + slots, mask=slots < TOP_K, other=big).to(tl.int32)
+    order = tl.zeros((), dtype=tl.int64)
+    prev = -1
+    for k in tl.static_range(TOP_K):
+        e = tl.min(tl.where(ids > prev, ids, big), 0)
+        order |= tl.sum(tl.where(ids == e, slots, 0), 0).to(tl.int64) << (4 * k)
+        prev = e
+    return order
+
+
+@triton.jit
 def _combine_add_norm_kernel(
     rows_ptr, experts_ptr, weights_ptr, gate_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
     H, stride_rows, stride_g, stride_r, stride_s, stride_y, eps, pf_ptr, pf_lines, num_tokens,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_H: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_H: tl.constexpr, ROUTING_BEFORE_WAIT: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_tokens:
@@ -43,21 +63,15 @@ def _combine_add_norm_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    slots = tl.arange(0, TOP_K_POW2)
-    big = 2147483647
-    # Written by the block's entry three launches back, or never (the norm weight): read before the wait,
-    # and the routed slots put in ascending expert id (top-k ids are distinct) there too, 4 bits each
-    # in one scalar: after the wait the row loads depend on no reduction, so they go out together.
-    ids = tl.load(experts_ptr + token * ROW_K + slots, mask=slots < TOP_K, other=big).to(tl.int32)
+    # Written by the block's entry three launches back, or never (the norm weight): read before the wait.
     g = tl.load(gate_ptr + token * stride_g).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    order = tl.zeros((), dtype=tl.int64)
-    prev = -1
-    for k in tl.static_range(TOP_K):
-        e = tl.min(tl.where(ids > prev, ids, big), 0)
-        order |= tl.sum(tl.where(ids == e, slots, 0), 0).to(tl.int64) << (4 * k)
-        prev = e
-    pdl.sync(PDL)
+    if ROUTING_BEFORE_WAIT:  # the entry's routing: ordered before the wait, so the row loads after it go out together
+        order = _slot_order(experts_ptr, token, TOP_K, TOP_K_POW2, ROW_K)
+        pdl.sync(PDL)
+    else:  # gate_up's routing (GemmRoute), which may still be running until the wait
+        pdl.sync(PDL)
+        order = _slot_order(experts_ptr, token, TOP_K, TOP_K_POW2, ROW_K)
     dtype = sum_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
@@ -82,6 +96,7 @@ class PendingCombine(NamedTuple):
     experts: torch.Tensor  # [N, R] int32, contiguous
     weights: torch.Tensor  # [N, top_k] x.dtype, contiguous
     shared_gate: torch.Tensor  # [N, 1] shared-expert gate logits
+    routed_by_gemms: bool = False  # the routing written by gate_up (moe_triton.GemmRoute), not by the entry
 
     def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: l2_prefetch.Span | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, norm(s) * (1 + w)) with s = block output + residual [N, H], as `norm_triton.add_zc_rms_norm`
@@ -103,6 +118,7 @@ class PendingCombine(NamedTuple):
                 hidden, self.rows.stride(0), self.shared_gate.stride(0), residual.stride(0), s.stride(0), h.stride(0), eps,
                 num_tokens=n, **pf_args,
                 TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=row_k, BLOCK_H=triton.next_power_of_2(hidden),
+                ROUTING_BEFORE_WAIT=not self.routed_by_gemms,
                 num_warps=norm_triton.ADD_NORM_WARPS, **pdl.launch_kwargs(),
             )
         return s, h

@@ -786,4 +786,4 @@ def moe_experts_with_shared(
     y = shared if defer else torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # deferred: no combine writes y (an unread stand-in)
     combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
     _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
-    return PendingCombine(out, experts, combine.weights, shared_gate) if defer else y
+    return PendingCombine(out, experts, combine.weights, shared_gate, isinstance(blocks, GemmRoute)) if defer else y
