@@ -119,32 +119,3 @@ def test_row_ready_counters_are_kept_apart_per_period():
     cpu = torch.device("cpu")
     assert moe_triton.row_ready_counters(cpu, 64) is moe_triton.row_ready_counters(cpu, 64)
     assert moe_triton.row_ready_counters(cpu, 64) is not moe_triton.row_ready_counters(cpu, 128)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("route_in_gemms", [True, False])
-def test_gate_and_up_apart_give_the_same_bits(device, tokens, route_in_gemms, monkeypatch):
-    """gate_up with the gate and the up tile of a feature tile in programs of their own
-    (moe_triton.GATE_AND_UP_APART, direct layout) == both in one program, bit for bit: the block
-    output, the routing written for the combine and the deferred combine; the pairs' arrival counters
-    are back at zero after each launch."""
-    from tests.kernels.test_moe_triton import shape, stacked_for
-
-    monkeypatch.setattr(moe_gate_triton, "ROUTE_IN_GEMMS", route_in_gemms)
-    hidden, num_experts, top_k, _ = shape(device)
-    gate_up, down = stacked_for(device, torch.bfloat16)
-    x, residual, norm_w = _inputs(tokens, hidden, torch.bfloat16, device, seed=10 + tokens)
-    gates = (torch.randn(num_experts + 1, hidden, generator=torch.Generator().manual_seed(6)) / 8).to(torch.bfloat16).to(device)
-    results = {}
-    for apart in (False, True):
-        monkeypatch.setattr(moe_triton, "GATE_AND_UP_APART", apart)
-        s, h, experts, weights, shared_gate, blocks = moe_gate_triton.add_norm_route(x, residual, norm_w, EPS, gates, top_k, with_shared=True)
-        y = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks)
-        pending = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks, defer_combine=True)
-        exit_s, exit_h = pending.add_zc_rms_norm(s, norm_w, EPS)
-        results[apart] = (y, experts.clone(), weights.clone(), exit_s, exit_h)
-    for got, want in zip(results[True], results[False]):
-        assert torch.equal(got, want)
-    up_tiles = -(-gate_up.shape[1] // 2 // moe_triton.GATE_UP_BLOCK_N)
-    assert not moe_triton.pair_counters(torch.device(device), up_tiles).any()

@@ -90,8 +90,7 @@ def test_gate_up_stores_the_routing_before_its_row_counter_lets_down_pass():
     tile combines every token from the routing that gate_up stores; down passes its wait on the row
     counter that gate_up raises with release semantics, so the routing is stored before that raise."""
     source = inspect.getsource(KERNELS["moe_triton._gate_up_kernel"].fn)
-    store = source.find("_store_routing(")
-    assert -1 < store < source.find("tl.debug_barrier()", store) < source.find("tl.atomic_add(ready_ptr")
+    assert -1 < source.find("_store_routing(") < source.find("tl.debug_barrier()") < source.find("tl.atomic_add(ready_ptr")
 
 
 _SM90_PTX = """

@@ -29,17 +29,13 @@ def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
 m, lt = moe_triton, linear_triton
 i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
 # The router logits' row stride is 16-aligned (moe_gate_triton), so specialised.
-def gate_up(apart):
-    return ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32
-               | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "ready_ptr": "*i32", "halves_ptr": "*bf16", "pair_ptr": "*i32"},
-               ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E"),
-               dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
-                    ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, APART=apart, REP=m.GATE_UP_WARPS, PDL=True),
-               {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_APART_STAGES if apart else m.GATE_UP_STAGES}, unspecialised=("T", "E"))
-
 built = {
-    "gate_up": gate_up(False),
-    "gate_up_apart": gate_up(True),
+    "gate_up": ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32
+                   | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "ready_ptr": "*i32"},
+                   ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E"),
+                   dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
+                        ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, REP=m.GATE_UP_WARPS, PDL=True),
+                   {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}, unspecialised=("T", "E")),
     "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
                 | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32"},
                 ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles"),
@@ -73,7 +69,7 @@ def counts():
     return json.loads(sm90_build.run(_BUILD))
 
 
-@pytest.mark.parametrize("kernel", ["gate_up", "gate_up_apart", "down", "linear", "linear_conv"])
+@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv"])
 def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
     wgmma, mma_sync = counts["dots"][kernel]
     assert wgmma > 0 and mma_sync == 0, f"{kernel}: {wgmma} wgmma, {mma_sync} mma.sync"

@@ -105,12 +105,6 @@ DOWN_WAITS_FOR_ROW = True
 # eleven reductions stays inside a warp (_top_k), instead of one copy across the warps (two barriers each).
 # H200, 35B-A3B decode step: 2.298 / 2.299 ms against 2.307 / 2.307 (logs/variants-35b-route-per-warp-3cf1193.jsonl).
 ROUTE_PER_WARP = True
-# In the direct layout, gate_up with the gate tile and the up tile of a feature tile in programs of their
-# own (twice the programs, each streaming half the bytes, half the shared memory a stage): each stores
-# its tile rounded to x.dtype, and the second of the pair to finish reads the other's and computes
-# silu(gate) * up, so a row gets the same bits as with both tiles in one program.
-GATE_AND_UP_APART = False
-GATE_UP_APART_STAGES = 5
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
 BLOCK_T = 1024  # routed rows scanned per step by the align kernel
 BLOCK_TOK = 16  # tokens per combine program (and per step of the combine in the down launch)
@@ -286,19 +280,13 @@ def _gate_up_kernel(
     # routing here (ROUTE_HERE, `GemmRoute`): the router logits, and the routing this launch writes
     logits_ptr, experts_ptr, weights_ptr, stride_l, E,
     ready_ptr,  # ROW_READY: a counter per routed row, raised once per stored tile
-    halves_ptr, pair_ptr,  # APART: [blocks, tiles, 2, BLOCK_N, BLOCK_M] the rounded gate and up tiles; [blocks * tiles] arrival counters
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr,
-    APART: tl.constexpr, REP: tl.constexpr, PDL: tl.constexpr,
+    REP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
-    if APART:  # program (2 * feature tile + half, row block): half 0 computes the gate tile, half 1 the up tile
-        pid_n = tl.program_id(0) // 2
-        half = tl.program_id(0) % 2
-        pid_m = tl.program_id(1)
-    else:
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTE_HERE:  # block pid_m holds flat row pid_m alone (direct layout, every expert held)
         token, e, route_ids, route_w = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, REP)
@@ -313,47 +301,24 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w = w_ptr + e.to(tl.int64) * stride_we
-    dtype = h_ptr.dtype.element_ty
     # Transposed tiles [BLOCK_N, BLOCK_M]: the weight tile is the dot's left operand (wgmma on sm_90).
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
+        w_mask = (cols[:, None] < I) & (kk[None, :] < H)
+        wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
+        if DOT_F32:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
     # The rounding steps of the reference (and of the dense MLP's linear + silu_mul): gate/up to
     # x.dtype, silu to x.dtype, product to x.dtype.
-    if APART:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + ks
-            x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
-            wt = tl.load(w + (cols[:, None] + half * I) * stride_wn + kk[None, :], mask=(cols[:, None] < I) & (kk[None, :] < H), other=0.0)
-            if DOT_F32:
-                x, wt = x.to(tl.float32), wt.to(tl.float32)
-            acc = tl.dot(wt, x, acc, input_precision="ieee")
-        # Each half stores its rounded tile; the second of the pair to arrive reads the other's and goes on.
-        tile = pid_m * (tl.num_programs(0) // 2) + pid_n
-        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        mine = acc.to(dtype)
-        tl.store(halves_ptr + (2 * tile + half) * (BLOCK_N * BLOCK_M) + offs, mine, mask=valid[None, :])
-        tl.debug_barrier()  # every thread's part of the tile is stored before the counter moves
-        if tl.atomic_add(pair_ptr + tile, 1, sem="acq_rel", scope="gpu") == 0:
-            return
-        tl.debug_barrier()
-        other = tl.load(halves_ptr + (2 * tile + 1 - half) * (BLOCK_N * BLOCK_M) + offs, mask=valid[None, :], other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(pair_ptr + tile, 0, sem="relaxed", scope="gpu")
-        gate = tl.where(half == 0, mine, other).to(tl.float32)
-        up = tl.where(half == 0, other, mine).to(tl.float32)
-    else:
-        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + ks
-            x = tl.load(x_ptr + tokens[None, :] * stride_xm + kk[:, None], mask=valid[None, :] & (kk[:, None] < H), other=0.0)
-            w_mask = (cols[:, None] < I) & (kk[None, :] < H)
-            wg = tl.load(w + cols[:, None] * stride_wn + kk[None, :], mask=w_mask, other=0.0)
-            wu = tl.load(w + (cols[:, None] + I) * stride_wn + kk[None, :], mask=w_mask, other=0.0)
-            if DOT_F32:
-                x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            acc_gate = tl.dot(wg, x, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(wu, x, acc_up, input_precision="ieee")
-        gate = acc_gate.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(h_ptr + rows[None, :] * stride_hm + cols[:, None], (act * up).to(dtype), mask=cols[:, None] < I)
     # The token's routing, for the combine: in the down launch the last program of a feature tile reads
@@ -530,22 +495,6 @@ def row_ready_counters(device: torch.device, period: int) -> torch.Tensor:
     return _row_ready[key]
 
 
-_pair_arrivals: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def pair_counters(device: torch.device, up_tiles: int) -> torch.Tensor:
-    """int32 [DIRECT_MAX_ROWS * up_tiles]: an arrival counter per (row block, feature tile) of a direct-layout
-    gate_up launch with the gate and up tiles apart (GATE_AND_UP_APART), zero between launches (the
-    pair's second program resets it); one set per (device, feature tiles), made on first use, before
-    any graph capture."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, up_tiles)
-    if key not in _pair_arrivals:
-        _pair_arrivals[key] = torch.zeros(DIRECT_MAX_ROWS * up_tiles, dtype=torch.int32, device=device)
-    return _pair_arrivals[key]
-
-
 def _direct_buffers(rows: int, first: int, count: int, device: torch.device) -> RowBlocks:
     sorted_ids = torch.empty((rows * BLOCK_M,), dtype=torch.int32, device=device)
     return RowBlocks(sorted_ids, torch.empty((rows,), dtype=torch.int32, device=device), rows, first, count)
@@ -697,20 +646,14 @@ def _expert_rows(
     ready = row_ready_counters(x.device, period) if row_ready else logits  # an unread stand-in without
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    apart = GATE_AND_UP_APART and is_direct(rows)
-    if apart:
-        halves = torch.empty((nb * up_tiles * 2 * GATE_UP_BLOCK_N * BLOCK_M,), dtype=x.dtype, device=x.device)
-        pairs = pair_counters(x.device, up_tiles)
-    else:
-        halves = pairs = hidden_rows  # unread stand-ins
-    _gate_up_kernel[(2 * up_tiles, nb) if apart else (nb, up_tiles)](
+    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready, halves, pairs,
+        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready,
         ROW_K=row_k, BLOCK_M=BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        **routing, ROW_READY=row_ready, APART=apart, REP=GATE_UP_WARPS if ROUTE_PER_WARP else 1,
-        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_APART_STAGES if apart else GATE_UP_STAGES, **pdl.launch_kwargs(),
+        **routing, ROW_READY=row_ready, REP=GATE_UP_WARPS if ROUTE_PER_WARP else 1,
+        num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
