@@ -646,7 +646,7 @@ def _expert_rows(
     ready = row_ready_counters(x.device, period) if row_ready else logits  # an unread stand-in without
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * BLOCK_M, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(nb, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+    _gate_up_kernel[(nb, up_tiles)](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
