@@ -2,7 +2,8 @@
 
 Builds the bench shape once, then for each variant sets module attributes of the kernels, builds a
 fresh engine (so its CUDA graphs are captured with the variant) and times a greedy decode run as
-`freetoken bench` does, plus the replay of the one-row decode graph. One JSON line per variant.
+`freetoken bench` does, plus the replay of the one-row decode graph. One JSON line per variant, with
+a hash of its tokens so that runs of other trees (other processes) can be compared too.
 
     python bench/variants.py --shape qwen3.5-35b-a3b \\
         --variant unfused kernels.FUSE_MOE_ENTRY=0 moe_triton.PREFETCH=0 \\
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
 import json
 
@@ -67,7 +69,8 @@ def main() -> None:
             s = engine.stats
             print(json.dumps({"variant": name, "round": round_, "step_ms": round(1000 * decode_s / s.decode_steps, 4),
                               "tokens_per_s": round(s.generated_tokens / decode_s, 1), "graph_ms": round(graph_forward_ms(engine, 1), 4),
-                              "same_tokens": tokens == outputs["reference"]}), flush=True)
+                              "same_tokens": tokens == outputs["reference"],
+                              "tokens_sha1": hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]}), flush=True)
             del engine
             torch.cuda.empty_cache()
 

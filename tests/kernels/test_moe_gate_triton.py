@@ -104,9 +104,13 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait,
         assert isinstance(blocks, moe_triton.GemmRoute) == route_in_gemms
         y = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks)
         pending = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks, defer_combine=True)
-        assert pending.routed_by_gemms == route_in_gemms  # the exit reads gate_up's routing after its wait
+        assert (pending.router_logits is not None) == route_in_gemms
+        stored = (experts.clone(), weights.clone())
+        if route_in_gemms:  # the exit routes again from the logits and reads none of gate_up's routing
+            pending.experts.fill_(num_experts - 1)
+            pending.weights.fill_(-3.0)
         exit_s, exit_h = pending.add_zc_rms_norm(s, norm_w, EPS)
-        results[route_in_gemms] = (y, experts.clone(), weights.clone(), exit_s, exit_h)
+        results[route_in_gemms] = (y, *stored, exit_s, exit_h)
     for got, want in zip(results[True], results[False]):
         assert torch.equal(got, want)
     # Each GemmRoute gate_up + down pair (two here) takes every row's ready counter up by one PERIOD

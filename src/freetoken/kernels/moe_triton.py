@@ -21,7 +21,7 @@ holds each block's flat row ids, T marking padding (masked in every load and sto
             kernel writes it as it routes (given first and C), so no align launch; for experts from elsewhere
             `_direct_blocks_kernel` writes it (one program per token). With the shared expert stacked
             the blocks may be left unwritten (`GemmRoute`): each gate_up and down program then routes
-            its own row from the router logits (`_top_k`, route's code). An expert chosen by several
+            its own row from the router logits (`routing_triton.top_k`, route's code). An expert chosen by several
             tokens (the stacked shared expert: by all) is read once per row, which is what bounds
             DIRECT_MAX_ROWS.
   aligned   T > DIRECT_MAX_ROWS: `_align_kernel`, one program per held expert, counts every held
@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import linear_triton, pdl
+from freetoken.kernels import linear_triton, pdl, routing_triton
 from freetoken.kernels.moe_exit_triton import PendingCombine
 from freetoken.kernels.compat_triton import INTERPRET
 
@@ -102,7 +102,7 @@ DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 # 1.855 / 1.848 without (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
 DOWN_WAITS_FOR_ROW = True
 # The expert GEMMs' routing (GemmRoute) with a copy of the token's logits per warp, so that each of its
-# eleven reductions stays inside a warp (_top_k), instead of one copy across the warps (two barriers each).
+# eleven reductions stays inside a warp (routing_triton.top_k), instead of one copy across the warps (two barriers each).
 # H200, 35B-A3B decode step: 2.298 / 2.299 ms against 2.307 / 2.307 (logs/variants-35b-route-per-warp-3cf1193.jsonl).
 ROUTE_PER_WARP = True
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
@@ -130,45 +130,9 @@ def _direct_blocks(sorted_ids_ptr, block_expert_ptr, rows, experts, mask, T, fir
 
 
 @triton.jit
-def _top_k(logits, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token's fp32 router logits [REP, BLOCK_E] (REP copies of the row; -inf past E) -> (ids
-    [REP, TOP_K_POW2] int32, weights [REP, TOP_K_POW2] fp32 renormalised; slots past TOP_K 0), each row
-    the same: softmax, then top_k by iterative max. Every reduction runs along a row, so with one copy
-    per warp (REP = num_warps, `ROUTE_PER_WARP`) it stays inside the warp (shuffles, no barrier), and a
-    row's sums take the same order as a one-warp launch's. (All eight picks in one tl.reduce with a
-    bitonic top-8 merge measured slower in the 35B-A3B step: 2.346 against 2.332 ms,
-    logs/variants-35b-topk-network-c5a2dae.jsonl.)"""
-    cols = tl.arange(0, BLOCK_E)[None, :]
-    p = tl.exp(logits - tl.max(logits, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    # One int64 key per expert, so that each pick is one reduction: a probability (>= +0) orders as its
-    # fp32 bits, and the low word (BLOCK_E - 1 - id) makes the lowest id win among equal probabilities.
-    # Padding (-1) never wins, even over probabilities that underflow to 0.
-    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
-    key = tl.where(cols < E, key, -1)
-    slots = tl.arange(0, TOP_K_POW2)[None, :]
-    ids = tl.zeros((logits.shape[0], TOP_K_POW2), dtype=tl.int32)
-    w = tl.zeros((logits.shape[0], TOP_K_POW2), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(key, 1)[:, None]
-        e = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
-        ids = tl.where(slots == k, e, ids)
-        w = tl.where(slots == k, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
-        key = tl.where(cols == e, -1, key)
-    return ids, w / tl.sum(w, 1)[:, None]
-
-
-@triton.jit
-def _router_logits(logits_ptr, token, stride_l, E, BLOCK_E: tl.constexpr, REP: tl.constexpr):
-    """Token `token`'s router logits as _top_k takes them: fp32 [REP, BLOCK_E], -inf past E."""
-    cols = tl.arange(0, BLOCK_E)[None, :] + 0 * tl.arange(0, REP)[:, None]
-    return tl.load(logits_ptr + token.to(tl.int64) * stride_l + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
-
-
-@triton.jit
 def _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr):
     """A token's experts row (the shared expert E in column TOP_K when ROW_K > TOP_K) and weights row,
-    from _top_k's first copy of ids and w [REP, TOP_K_POW2]."""
+    from routing_triton.top_k's first copy of ids and w [REP, TOP_K_POW2]."""
     copy = tl.arange(0, ids.shape[0])[:, None]
     slots = tl.arange(0, TOP_K_POW2)[None, :] + 0 * copy
     mine = (copy == 0) & (slots < TOP_K)
@@ -183,9 +147,9 @@ def _route_token(
     logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """Route one token from its fp32 router logits [REP, BLOCK_E] (_router_logits): softmax, top_k,
+    """Route one token from its fp32 router logits [REP, BLOCK_E] (routing_triton.router_logits): softmax, top_k,
     renormalised weights, and its direct row blocks when DIRECT (module docstring, route)."""
-    ids, w = _top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
+    ids, w = routing_triton.top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
     _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K, TOP_K_POW2, ROW_K)
     slots = tl.arange(0, TOP_K_POW2)
     if DIRECT:  # this token's row blocks of the direct layout
@@ -204,7 +168,7 @@ def _route_kernel(
 ):
     pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
-    logits = _router_logits(logits_ptr, token, stride_lm, E, BLOCK_E, 1)  # one warp
+    logits = routing_triton.router_logits(logits_ptr, token, stride_lm, E, BLOCK_E, 1)  # one warp
     _route_token(logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, BLOCK_M, DIRECT)
 
 
@@ -263,11 +227,11 @@ def _align_kernel(
 @triton.jit
 def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, REP: tl.constexpr):
     """Flat row `row` of the direct layout routed from its token's router logits (`GemmRoute`) ->
-    (token, its expert: the slot's pick of `_top_k`, E for the shared expert's slot, ids, weights
+    (token, its expert: the slot's pick of `routing_triton.top_k`, E for the shared expert's slot, ids, weights
     [REP, TOP_K_POW2])."""
     token = row // ROW_K
     slot = row % ROW_K
-    ids, w = _top_k(_router_logits(logits_ptr, token, stride_l, E, BLOCK_E, REP), E, TOP_K, TOP_K_POW2, BLOCK_E)
+    ids, w = routing_triton.top_k(routing_triton.router_logits(logits_ptr, token, stride_l, E, BLOCK_E, REP), E, TOP_K, TOP_K_POW2, BLOCK_E)
     e = tl.max(tl.sum(tl.where(tl.arange(0, TOP_K_POW2)[None, :] == slot, ids, 0), 1), 0)  # its copies are equal
     return token, tl.where(slot < TOP_K, e, E), ids, w
 
@@ -458,7 +422,7 @@ class RowBlocks(NamedTuple):
 
 class GemmRoute(NamedTuple):
     """Routing left to the expert GEMMs (direct layout, every expert held, the shared expert stacked):
-    each gate_up and down program routes its own row from its token's router logits (`_top_k`, as
+    each gate_up and down program routes its own row from its token's router logits (`routing_triton.top_k`, as
     route does), and gate_up's first program of a token writes the token's experts and weights for the
     combine. Takes the routing's arrival counter and second round trip off the MoE entry."""
 
@@ -729,4 +693,4 @@ def moe_experts_with_shared(
     y = shared if defer else torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # deferred: no combine writes y (an unread stand-in)
     combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
     _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
-    return PendingCombine(out, experts, combine.weights, shared_gate, isinstance(blocks, GemmRoute)) if defer else y
+    return PendingCombine(out, experts, combine.weights, shared_gate, blocks.logits if isinstance(blocks, GemmRoute) else None) if defer else y
