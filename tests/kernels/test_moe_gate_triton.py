@@ -80,7 +80,8 @@ def test_a_token_has_the_same_bits_alone_in_a_batch_and_across_launches(device, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("row_wait", [True, False])
-def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait, dtype, monkeypatch):
     """In the direct layout with the shared expert stacked the entry leaves the routing to gate_up and
     down (`GemmRoute`): the same experts, weights and block output bits as the entry's routing, with
     the combine in the down launch and deferred to the next add + norm."""
@@ -88,9 +89,9 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait,
 
     monkeypatch.setattr(moe_triton, "DOWN_WAITS_FOR_ROW", row_wait)
     hidden, num_experts, top_k, _ = shape(device)
-    gate_up, down = stacked_for(device, torch.bfloat16)
-    x, residual, norm_w = _inputs(tokens, hidden, torch.bfloat16, device, seed=tokens)
-    gates = (torch.randn(num_experts + 1, hidden, generator=torch.Generator().manual_seed(5)) / 8).to(torch.bfloat16).to(device)
+    gate_up, down = stacked_for(device, dtype)
+    x, residual, norm_w = _inputs(tokens, hidden, dtype, device, seed=tokens)
+    gates = (torch.randn(num_experts + 1, hidden, generator=torch.Generator().manual_seed(5)) / 8).to(dtype).to(device)
     rows = tokens * (top_k + 1)
     up_tiles = -(-gate_up.shape[1] // 2 // moe_triton.GATE_UP_BLOCK_N)
     down_tiles = -(-hidden // moe_triton.DOWN_BLOCK_N)
@@ -104,11 +105,12 @@ def test_routing_in_the_expert_gemms_equals_the_entrys(device, tokens, row_wait,
         assert isinstance(blocks, moe_triton.GemmRoute) == route_in_gemms
         y = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks)
         pending = moe_triton.moe_experts_with_shared(h, experts, weights, gate_up, down, shared_gate, blocks, defer_combine=True)
-        assert (pending.router_logits is not None) == route_in_gemms
+        assert pending.rows_weighted_by_id == route_in_gemms
         stored = (experts.clone(), weights.clone())
-        if route_in_gemms:  # the exit routes again from the logits and reads none of gate_up's routing
+        if route_in_gemms:  # down weighted the rows and put them in expert order: the exit reads no routing
             pending.experts.fill_(num_experts - 1)
             pending.weights.fill_(-3.0)
+            pending.shared_gate.fill_(7.0)
         exit_s, exit_h = pending.add_zc_rms_norm(s, norm_w, EPS)
         results[route_in_gemms] = (y, *stored, exit_s, exit_h)
     for got, want in zip(results[True], results[False]):

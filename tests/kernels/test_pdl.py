@@ -37,10 +37,9 @@ def test_kernels_are_found():
 
 EARLY_READS = {  # kernel -> the loads it may issue before its wait
     "moe_gate_triton._add_norm_route_kernel": ["tl.load(gates_ptr", "tl.load(norm_w_ptr"],  # weights
-    "moe_triton._down_kernel": ["tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"],  # written two launches back (or the logits, routed there)
-    # three back (the entry's shared gate, its router logits, and its routing where it routes); weights
-    "moe_exit_triton._combine_add_norm_kernel": ["tl.load(gate_ptr", "tl.load(w_ptr", "routing_triton.router_logits(logits_ptr",
-                                                 "tl.load(experts_ptr", "tl.load(weights_ptr"],
+    # written two launches back (or the logits, routed there, and the shared gate's)
+    "moe_triton._down_kernel": ["tl.load(gate_ptr", "tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"],
+    "moe_exit_triton._combine_add_norm_kernel": ["tl.load(w_ptr"],  # a weight (its branches: the test below)
     "attention_triton._partition_kernel": ["tl.load(group_ptr", "tl.load(group_ptr", "tl.load(ctx_len_ptr", "tl.load(ctx_len_ptr", "tl.load(row_seq_ptr", "tl.load(table_ptr"],  # host copies
     "attention_triton._merge_kernel": ["tl.load(ctx_len_ptr"],
     # the rows' slots (host copies), the windows (this layer's, a step back), the conv weights
@@ -76,18 +75,17 @@ def test_a_launch_that_waits_on_counters_releases_first_and_waits_for_the_grid_l
     assert source.rstrip().endswith("pdl.finish(PDL)")
 
 
-def test_the_moe_exit_never_reads_gate_ups_routing():
-    """Routed in the expert GEMMs, the stored routing is gate_up's, two launches back, and the down
+def test_the_moe_exit_reads_the_routing_before_its_wait_only_where_the_entry_wrote_it():
+    """Routed by the entry (three launches back) the exit loads the routing and the shared gate before
+    its wait. Routed in the GEMMs the stored routing is gate_up's, two launches back, and the down
     launch between lets the exit launch before gate_up ends (down waits on its rows' counters, not on
-    gate_up's grid): the exit's loads of the stored routing are only in the entry-routed branch, and the
-    GEMM-routed one routes again from the router logits."""
+    gate_up's grid): that branch loads nothing but the weighted rows, after its wait."""
     source = inspect.getsource(KERNELS["moe_exit_triton._combine_add_norm_kernel"].fn)
-    branch = source.index("    if ROUTE_HERE:")
-    entrys = source.index("    else:", branch)
-    wait = source.index("    pdl.sync(PDL)")
-    assert "routing_triton.top_k(" in source[branch:entrys]
-    for stored in ("tl.load(experts_ptr", "tl.load(weights_ptr"):
-        assert source.count(stored) == 1 and entrys < source.index(stored) < wait
+    weighted = source[source.index("    if WEIGHTED_BY_ID:"):source.index("    else:  # the entry's routing")]
+    entrys = source[source.index("    else:  # the entry's routing"):source.index("    x = (acc")]
+    assert weighted.index("pdl.sync(PDL)") < weighted.index("tl.load(") and "experts_ptr" not in weighted and "weights_ptr" not in weighted
+    before = entrys[: entrys.index("pdl.sync(PDL)")]
+    assert sorted(part.split(" ")[0] for part in before.split("tl.load(")[1:]) == ["experts_ptr", "gate_ptr"]
 
 
 def test_gate_up_stores_the_routing_before_its_row_counter_lets_down_pass():

@@ -39,9 +39,9 @@ built = {
     "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
                 | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32"},
                 ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles"),
-                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=True, TOP_K=8, TOP_K_POW2=8,
+                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=False, TOP_K=8, TOP_K_POW2=8,
                      ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, ROUTE_HERE=True, BLOCK_E=256, ROW_READY=True, PERIOD=64,
-                     REP=m.DOWN_WARPS, PDL=True),
+                     WEIGHTED_BY_ID=True, REP=m.DOWN_WARPS, PDL=True),  # the decode step's: its combine deferred to the exit
                 {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "E", "up_tiles")),
 }
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K

@@ -4,19 +4,22 @@ Up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS tokens the down launch can combine (
 feature tile), but that puts two dependent round trips through L2 (the arrival counter, then the
 expert rows) at the end of the down launch, on the critical path. The block can instead hand back a
 `PendingCombine` (the expert rows and their routing); the decoder's next residual add + zero-centred
-RMSNorm (`kernels.add_zc_rms_norm`) then runs here, one program per token: before its PDL wait it
-loads the norm weight, the shared gate logit and the token's routing, and orders the routed rows;
-after it, the token's expert rows and the residual in one round trip. It computes
+RMSNorm (`kernels.add_zc_rms_norm`) then runs here, one program per token, and computes
 
     y = combine(rows)            as moe_triton._combine_tile: routed products rounded to x.dtype and
                                  added in fp32 in ascending expert id, then the gated shared expert
     s = (y + residual) in x.dtype, h = norm(s) * (1 + w)    as norm_triton._add_zc_rms_norm_kernel.
 
-The routing is the entry's, three launches back, when the entry routes. Routed in the expert GEMMs
-(moe_triton.GemmRoute) the stored routing is gate_up's, two launches back, and the down launch between
-lets this one start before gate_up has ended (down waits on its rows' counters, not on gate_up's grid:
-pdl.py); so the exit routes the token again from the entry's router logits (`routing_triton.top_k`,
-the bits gate_up stores) and never reads gate_up's.
+After its PDL wait it loads the token's expert rows and the residual in one round trip, their
+addresses known before the wait:
+  routed by the entry   the entry wrote the routing three launches back, so the exit loads it before
+                        the wait and orders the routed rows there (`_slot_order`).
+  routed in the GEMMs   (moe_triton.GemmRoute) the stored routing is gate_up's, two launches back, and
+                        the down launch between lets this one start before gate_up has ended (down
+                        waits on its rows' counters, not on gate_up's grid: pdl.py). The exit reads
+                        none of it: down stores each row already weighted (the combine's rounding of
+                        the product; the shared expert's by its gate) at its expert's rank among the
+                        token's (`PendingCombine.rows_weighted_by_id`), so the exit only adds them.
 
 Both steps are elementwise per (token, feature) but the norm's one reduction, which is
 `_add_zc_rms_norm_kernel`'s (`norm_triton.zc_norm`, the same block, warps and load pattern: BLOCK_D,
@@ -32,16 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import l2_prefetch, norm_triton, pdl, routing_triton
+from freetoken.kernels import l2_prefetch, norm_triton, pdl
 
 
 @triton.jit
 def _slot_order(ids, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr):
-    """The routed slots of a token's expert ids [TOP_K_POW2] (past TOP_K: ignored) in ascending id (top-k
-    ids are distinct), 4 bits each in one int64: the row loads after the wait then depend on no reduction."""
+    """The slots of a token's routed expert ids [TOP_K_POW2] (a large id past TOP_K) in ascending id
+    (top-k ids are distinct), 4 bits each in one int64: the row loads then depend on no reduction."""
     slots = tl.arange(0, TOP_K_POW2)
     big = 2147483647
-    ids = tl.where(slots < TOP_K, ids, big)
     order = tl.zeros((), dtype=tl.int64)
     prev = -1
     for k in tl.static_range(TOP_K):
@@ -53,10 +55,10 @@ def _slot_order(ids, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr):
 
 @triton.jit
 def _combine_add_norm_kernel(
-    rows_ptr, experts_ptr, weights_ptr, logits_ptr, gate_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
-    H, E, stride_rows, stride_l, stride_g, stride_r, stride_s, stride_y, eps, pf_ptr, pf_lines, num_tokens,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_H: tl.constexpr,
-    ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, REP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    rows_ptr, experts_ptr, weights_ptr, gate_ptr, r_ptr, w_ptr, sum_ptr, y_ptr,
+    H, stride_rows, stride_g, stride_r, stride_s, stride_y, eps, pf_ptr, pf_lines, num_tokens,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_H: tl.constexpr, WEIGHTED_BY_ID: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_tokens:
@@ -65,31 +67,31 @@ def _combine_add_norm_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    slots = tl.arange(0, TOP_K_POW2)
-    # Written by the block's entry three launches back, or never (the norm weight): read before the wait.
-    g = tl.load(gate_ptr + token * stride_g).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ROUTE_HERE:  # gate_up's stored routing may still be in flight: the token routed again, as gate_up did
-        logits = routing_triton.router_logits(logits_ptr, token, stride_l, E, BLOCK_E, REP)
-        ids, route_w = routing_triton.top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
-        ids = tl.max(ids, 0)  # its copies are equal
-        route_w = tl.max(route_w, 0).to(weights_ptr.dtype.element_ty).to(tl.float32)  # as gate_up stores them
-    else:  # the entry's routing
-        ids = tl.load(experts_ptr + token * ROW_K + slots, mask=slots < TOP_K, other=0)
-        route_w = tl.load(weights_ptr + token * TOP_K + slots, mask=slots < TOP_K, other=0.0).to(tl.float32)
-    order = _slot_order(ids, TOP_K, TOP_K_POW2)
-    pdl.sync(PDL)
     dtype = sum_ptr.dtype.element_ty
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # the norm weight, never written
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        slot = (order >> (4 * k)) & 15
-        y = tl.load(rows_ptr + (token * ROW_K + slot) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
-        weight = tl.sum(tl.where(slots == slot, route_w, 0.0), 0)  # the weight in that slot, exactly
-        # As _combine_tile adds it: the select keeps a product of x.dtype = fp32 from fusing into the add.
-        acc += tl.where(slot < TOP_K, (y * weight).to(dtype).to(tl.float32), 0.0)
-    gate = tl.sigmoid(g).to(dtype).to(tl.float32)
-    shared = tl.load(rows_ptr + (token * ROW_K + TOP_K) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
-    x = (acc.to(dtype).to(tl.float32) + (gate * shared).to(dtype).to(tl.float32)).to(dtype)
+    if WEIGHTED_BY_ID:  # the rows weighted, in ascending expert id, the shared expert's last (down's)
+        pdl.sync(PDL)
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(rows_ptr + (token * ROW_K + k) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        shared = tl.load(rows_ptr + (token * ROW_K + TOP_K) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+    else:  # the entry's routing and shared gate logit, three launches back: read, and the rows ordered, before the wait
+        slots = tl.arange(0, TOP_K_POW2)
+        big = 2147483647
+        ids = tl.load(experts_ptr + token * ROW_K + slots, mask=slots < TOP_K, other=big).to(tl.int32)
+        g = tl.load(gate_ptr + token * stride_g).to(tl.float32)
+        order = _slot_order(ids, TOP_K, TOP_K_POW2)
+        pdl.sync(PDL)
+        for k in tl.static_range(TOP_K):
+            slot = (order >> (4 * k)) & 15
+            y = tl.load(rows_ptr + (token * ROW_K + slot) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            weight = tl.load(weights_ptr + token * TOP_K + slot).to(tl.float32)
+            # As _combine_tile adds it: the select keeps a product of x.dtype = fp32 from fusing into the add.
+            acc += tl.where(slot < TOP_K, (y * weight).to(dtype).to(tl.float32), 0.0)
+        gate = tl.sigmoid(g).to(dtype).to(tl.float32)
+        y = tl.load(rows_ptr + (token * ROW_K + TOP_K) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        shared = (gate * y).to(dtype).to(tl.float32)
+    x = (acc.to(dtype).to(tl.float32) + shared).to(dtype)
     r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
     s = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a torch add
     tl.store(sum_ptr + token * stride_s + cols, s, mask=mask)
@@ -103,9 +105,9 @@ class PendingCombine(NamedTuple):
     experts: torch.Tensor  # [N, R] int32, contiguous
     weights: torch.Tensor  # [N, top_k] x.dtype, contiguous
     shared_gate: torch.Tensor  # [N, 1] shared-expert gate logits
-    # Routed in the expert GEMMs (moe_triton.GemmRoute): its router logits [N, E + 1] (the last column the
-    # shared gate's), from which the exit routes each token again; None: the entry's routing above.
-    router_logits: torch.Tensor | None = None
+    # Routed in the GEMMs (moe_triton.GemmRoute): down stored row token * R + k weighted, the k-th of the
+    # token's experts in ascending id (k = top_k: the shared expert, by its gate); experts, weights unread.
+    rows_weighted_by_id: bool = False
 
     def add_zc_rms_norm(self, residual: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: l2_prefetch.Span | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, norm(s) * (1 + w)) with s = block output + residual [N, H], as `norm_triton.add_zc_rms_norm`
@@ -122,18 +124,12 @@ class PendingCombine(NamedTuple):
         h = torch.empty_like(residual)
         if n:
             extra, pf_args = l2_prefetch.launch_args(prefetch, 1, s)
-            from freetoken.kernels import moe_triton  # imports this module; the switch gate_up routes by
-
-            route_here = self.router_logits is not None
-            logits = self.router_logits if route_here else self.weights  # an unread stand-in without
-            num_experts = logits.shape[1] - 1 if route_here else 0
-            assert logits.stride(1) == 1, "add_zc_rms_norm: router logits with unit column stride"
             _combine_add_norm_kernel[(n + extra,)](
-                self.rows, self.experts, self.weights, logits, self.shared_gate, residual, weight.contiguous(), s, h,
-                hidden, num_experts, self.rows.stride(0), logits.stride(0), self.shared_gate.stride(0), residual.stride(0), s.stride(0), h.stride(0), eps,
+                self.rows, self.experts, self.weights, self.shared_gate, residual, weight.contiguous(), s, h,
+                hidden, self.rows.stride(0), self.shared_gate.stride(0), residual.stride(0), s.stride(0), h.stride(0), eps,
                 num_tokens=n, **pf_args,
                 TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k), ROW_K=row_k, BLOCK_H=triton.next_power_of_2(hidden),
-                ROUTE_HERE=route_here, BLOCK_E=triton.next_power_of_2(max(num_experts, 1)), REP=norm_triton.ADD_NORM_WARPS if moe_triton.ROUTE_PER_WARP else 1,
+                WEIGHTED_BY_ID=self.rows_weighted_by_id,
                 num_warps=norm_triton.ADD_NORM_WARPS, **pdl.launch_kwargs(),
             )
         return s, h

@@ -122,7 +122,7 @@ def add_norm_route(
     out = moe_triton.route_outputs(n, num_experts, top_k, dtype, with_shared, first, count, device, direct_blocks=not gemm_route)
     s, h = torch.empty_like(residual), torch.empty_like(residual)
     # Rows 16-aligned, so that the routing's loads of a row vectorise: that gives each warp whole rows
-    # of its copy of the logits (routing_triton.top_k), with no barrier in the routing's reductions.
+    # of its copy of the logits (moe_triton._top_k), with no barrier in the routing's reductions.
     logits = torch.empty((n, triton.cdiv(num_gates, 16) * 16), dtype=dtype, device=device)[:, :num_gates]
     counters = _token_counters(device)
     gate_programs = triton.cdiv(num_gates, GATE_ROWS)

@@ -21,7 +21,7 @@ holds each block's flat row ids, T marking padding (masked in every load and sto
             kernel writes it as it routes (given first and C), so no align launch; for experts from elsewhere
             `_direct_blocks_kernel` writes it (one program per token). With the shared expert stacked
             the blocks may be left unwritten (`GemmRoute`): each gate_up and down program then routes
-            its own row from the router logits (`routing_triton.top_k`, route's code). An expert chosen by several
+            its own row from the router logits (`_top_k`, route's code). An expert chosen by several
             tokens (the stacked shared expert: by all) is read once per row, which is what bounds
             DIRECT_MAX_ROWS.
   aligned   T > DIRECT_MAX_ROWS: `_align_kernel`, one program per held expert, counts every held
@@ -47,6 +47,9 @@ Kernels:
             block's expert, then silu(gate) * up -> hidden [blocks * BLOCK_M, I], with the roundings
             of the dense MLP (linear to x.dtype, silu to x.dtype, product to x.dtype).
   down      `_down_kernel`: hidden @ down[e]^T -> out [T, H] in x.dtype, scattered back to flat rows.
+            Routed here with the combine deferred (`GemmRoute`, `defer_combine`), each row is stored
+            already weighted as the combine weights it, at its expert's rank among the token's
+            (`WEIGHTED_BY_ID`), so that the exit (moe_exit_triton) reads no routing.
   combine   `_combine_tile`: per token, its routed (first top_k) experts held here in ascending
             id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
             does). Given the shared expert's output (a tensor, or the token's row of `out` for
@@ -75,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import linear_triton, pdl, routing_triton
+from freetoken.kernels import linear_triton, pdl
 from freetoken.kernels.moe_exit_triton import PendingCombine
 from freetoken.kernels.compat_triton import INTERPRET
 
@@ -102,7 +105,7 @@ DOWN_BLOCK_N, DOWN_BLOCK_K, DOWN_WARPS, DOWN_STAGES = 64, 128, 4, 3
 # 1.855 / 1.848 without (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
 DOWN_WAITS_FOR_ROW = True
 # The expert GEMMs' routing (GemmRoute) with a copy of the token's logits per warp, so that each of its
-# eleven reductions stays inside a warp (routing_triton.top_k), instead of one copy across the warps (two barriers each).
+# eleven reductions stays inside a warp (_top_k), instead of one copy across the warps (two barriers each).
 # H200, 35B-A3B decode step: 2.298 / 2.299 ms against 2.307 / 2.307 (logs/variants-35b-route-per-warp-3cf1193.jsonl).
 ROUTE_PER_WARP = True
 FP32_BLOCK_K = 32  # K step of both GEMMs on fp32 inputs
@@ -130,9 +133,45 @@ def _direct_blocks(sorted_ids_ptr, block_expert_ptr, rows, experts, mask, T, fir
 
 
 @triton.jit
+def _top_k(logits, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's fp32 router logits [REP, BLOCK_E] (REP copies of the row; -inf past E) -> (ids
+    [REP, TOP_K_POW2] int32, weights [REP, TOP_K_POW2] fp32 renormalised; slots past TOP_K 0), each row
+    the same: softmax, then top_k by iterative max. Every reduction runs along a row, so with one copy
+    per warp (REP = num_warps, `ROUTE_PER_WARP`) it stays inside the warp (shuffles, no barrier), and a
+    row's sums take the same order as a one-warp launch's. (All eight picks in one tl.reduce with a
+    bitonic top-8 merge measured slower in the 35B-A3B step: 2.346 against 2.332 ms,
+    logs/variants-35b-topk-network-c5a2dae.jsonl.)"""
+    cols = tl.arange(0, BLOCK_E)[None, :]
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    # One int64 key per expert, so that each pick is one reduction: a probability (>= +0) orders as its
+    # fp32 bits, and the low word (BLOCK_E - 1 - id) makes the lowest id win among equal probabilities.
+    # Padding (-1) never wins, even over probabilities that underflow to 0.
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - cols).to(tl.int64)
+    key = tl.where(cols < E, key, -1)
+    slots = tl.arange(0, TOP_K_POW2)[None, :]
+    ids = tl.zeros((logits.shape[0], TOP_K_POW2), dtype=tl.int32)
+    w = tl.zeros((logits.shape[0], TOP_K_POW2), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(key, 1)[:, None]
+        e = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        ids = tl.where(slots == k, e, ids)
+        w = tl.where(slots == k, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), w)
+        key = tl.where(cols == e, -1, key)
+    return ids, w / tl.sum(w, 1)[:, None]
+
+
+@triton.jit
+def _router_logits(logits_ptr, token, stride_l, E, BLOCK_E: tl.constexpr, REP: tl.constexpr):
+    """Token `token`'s router logits as _top_k takes them: fp32 [REP, BLOCK_E], -inf past E."""
+    cols = tl.arange(0, BLOCK_E)[None, :] + 0 * tl.arange(0, REP)[:, None]
+    return tl.load(logits_ptr + token.to(tl.int64) * stride_l + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+
+
+@triton.jit
 def _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr):
     """A token's experts row (the shared expert E in column TOP_K when ROW_K > TOP_K) and weights row,
-    from routing_triton.top_k's first copy of ids and w [REP, TOP_K_POW2]."""
+    from _top_k's first copy of ids and w [REP, TOP_K_POW2]."""
     copy = tl.arange(0, ids.shape[0])[:, None]
     slots = tl.arange(0, TOP_K_POW2)[None, :] + 0 * copy
     mine = (copy == 0) & (slots < TOP_K)
@@ -147,9 +186,9 @@ def _route_token(
     logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
     TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """Route one token from its fp32 router logits [REP, BLOCK_E] (routing_triton.router_logits): softmax, top_k,
+    """Route one token from its fp32 router logits [REP, BLOCK_E] (_router_logits): softmax, top_k,
     renormalised weights, and its direct row blocks when DIRECT (module docstring, route)."""
-    ids, w = routing_triton.top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
+    ids, w = _top_k(logits, E, TOP_K, TOP_K_POW2, BLOCK_E)
     _store_routing(experts_ptr, weights_ptr, token, ids, w, E, TOP_K, TOP_K_POW2, ROW_K)
     slots = tl.arange(0, TOP_K_POW2)
     if DIRECT:  # this token's row blocks of the direct layout
@@ -168,7 +207,7 @@ def _route_kernel(
 ):
     pdl.sync(PDL)
     token = tl.program_id(0).to(tl.int64)
-    logits = routing_triton.router_logits(logits_ptr, token, stride_lm, E, BLOCK_E, 1)  # one warp
+    logits = _router_logits(logits_ptr, token, stride_lm, E, BLOCK_E, 1)  # one warp
     _route_token(logits, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, BLOCK_M, DIRECT)
 
 
@@ -227,11 +266,11 @@ def _align_kernel(
 @triton.jit
 def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, REP: tl.constexpr):
     """Flat row `row` of the direct layout routed from its token's router logits (`GemmRoute`) ->
-    (token, its expert: the slot's pick of `routing_triton.top_k`, E for the shared expert's slot, ids, weights
+    (token, its expert: the slot's pick of `_top_k`, E for the shared expert's slot, ids, weights
     [REP, TOP_K_POW2])."""
     token = row // ROW_K
     slot = row % ROW_K
-    ids, w = routing_triton.top_k(routing_triton.router_logits(logits_ptr, token, stride_l, E, BLOCK_E, REP), E, TOP_K, TOP_K_POW2, BLOCK_E)
+    ids, w = _top_k(_router_logits(logits_ptr, token, stride_l, E, BLOCK_E, REP), E, TOP_K, TOP_K_POW2, BLOCK_E)
     e = tl.max(tl.sum(tl.where(tl.arange(0, TOP_K_POW2)[None, :] == slot, ids, 0), 1), 0)  # its copies are equal
     return token, tl.where(slot < TOP_K, e, E), ids, w
 
@@ -308,15 +347,25 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
     ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr,
-    REP: tl.constexpr, PDL: tl.constexpr,
+    WEIGHTED_BY_ID: tl.constexpr, REP: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Written before gate_up (the row blocks, or the router logits): read, and routed, before the wait (pdl.py).
+    row_weight = 1.0
+    # Written before gate_up (the row blocks, or the router logits and shared gate): read, and routed, before the wait (pdl.py).
     if ROUTE_HERE:
-        e = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, REP)[1]
-        ids = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, T)
+        token, e, route_ids, route_w = _routed_row(logits_ptr, stride_l, pid_m, E, TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, REP)
+        dest = pid_m
+        if WEIGHTED_BY_ID:  # the row weighted as the combine weights it, stored at its expert's rank among the token's
+            slot = pid_m % ROW_K
+            slots = tl.arange(0, TOP_K_POW2)[None, :]
+            rank = tl.max(tl.sum(tl.where((slots < TOP_K) & (route_ids < e), 1, 0), 1), 0)  # the shared expert (E): TOP_K
+            slot_w = tl.max(tl.sum(tl.where(slots == slot, route_w, 0.0), 1), 0)  # its copies are equal
+            gate = tl.sigmoid(tl.load(gate_ptr + token * stride_gm).to(tl.float32))
+            row_weight = tl.where(slot < TOP_K, slot_w.to(weights_ptr.dtype.element_ty).to(tl.float32), gate.to(out_ptr.dtype.element_ty).to(tl.float32))
+            dest = token * ROW_K + rank
+        ids = tl.where(tl.arange(0, BLOCK_M) == 0, dest, T)
     else:
         e = tl.load(block_expert_ptr + pid_m)
         ids = tl.load(sorted_ids_ptr + rows)
@@ -341,6 +390,8 @@ def _down_kernel(
                 a, wd = a.to(tl.float32), wd.to(tl.float32)
             acc = tl.dot(wd, a, acc, input_precision="ieee")
         y = acc.to(out_ptr.dtype.element_ty)
+        if WEIGHTED_BY_ID:  # as _combine_tile rounds it (the routed rows' and the shared expert's product)
+            y = (y.to(tl.float32) * row_weight).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + ids[None, :].to(tl.int64) * stride_om + cols[:, None], y, mask=valid[None, :] & (cols[:, None] < H))
     if COMBINE:  # the last program of this feature tile to finish combines it for every token
         tl.debug_barrier()  # every thread's rows are stored before the counter moves
@@ -422,7 +473,7 @@ class RowBlocks(NamedTuple):
 
 class GemmRoute(NamedTuple):
     """Routing left to the expert GEMMs (direct layout, every expert held, the shared expert stacked):
-    each gate_up and down program routes its own row from its token's router logits (`routing_triton.top_k`, as
+    each gate_up and down program routes its own row from its token's router logits (`_top_k`, as
     route does), and gate_up's first program of a token writes the token's experts and weights for the
     combine. Takes the routing's arrival counter and second round trip off the MoE entry."""
 
@@ -628,7 +679,7 @@ def _expert_rows(
         *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
-        PERIOD=period, REP=DOWN_WARPS if ROUTE_PER_WARP else 1,
+        PERIOD=period, WEIGHTED_BY_ID=route_here and defer, REP=DOWN_WARPS if ROUTE_PER_WARP else 1,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:
@@ -693,4 +744,4 @@ def moe_experts_with_shared(
     y = shared if defer else torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # deferred: no combine writes y (an unread stand-in)
     combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
     _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
-    return PendingCombine(out, experts, combine.weights, shared_gate, blocks.logits if isinstance(blocks, GemmRoute) else None) if defer else y
+    return PendingCombine(out, experts, combine.weights, shared_gate, isinstance(blocks, GemmRoute)) if defer else y
