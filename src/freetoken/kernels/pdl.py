@@ -14,7 +14,7 @@ finished and their writes are visible: weights, host copies into the step's buff
 block tables) and buffers written two or more launches back are safe to read while kernel i still
 runs. Not so behind a launch that waits on counters (`wait_count`, below): it lets kernel i + 1 start
 before its own producer has ended, so there only buffers written three or more launches back are
-safe (the MoE exit after down orders gate_up's routing after its wait, moe_exit_triton). Used for
+safe (the MoE exit after down reads none of gate_up's routing, moe_exit_triton). Used for
 dependent chains that would otherwise start after the wait: the MoE entry's gate rows, the MoE
 down's row blocks, the GDN state tile, the attention's
 metadata down to each key's cache slot, the convolution's row metadata (tests/kernels/test_pdl.py,
