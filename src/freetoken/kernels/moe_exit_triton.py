@@ -13,7 +13,7 @@ RMSNorm (`kernels.add_zc_rms_norm`) then runs here, one program per token, and c
 After its PDL wait it loads the token's expert rows and the residual in one round trip, their
 addresses known before the wait:
   routed by the entry   the entry wrote the routing three launches back, so the exit loads it before
-                        the wait and orders the routed rows there (`_slot_order`).
+                        the wait and orders the routed rows there.
   routed in the GEMMs   (moe_triton.GemmRoute) the stored routing is gate_up's, two launches back, and
                         the down launch between lets this one start before gate_up has ended (down
                         waits on its rows' counters, not on gate_up's grid: pdl.py). The exit reads
@@ -36,21 +36,6 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import l2_prefetch, norm_triton, pdl
-
-
-@triton.jit
-def _slot_order(ids, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr):
-    """The slots of a token's routed expert ids [TOP_K_POW2] (a large id past TOP_K) in ascending id
-    (top-k ids are distinct), 4 bits each in one int64: the row loads then depend on no reduction."""
-    slots = tl.arange(0, TOP_K_POW2)
-    big = 2147483647
-    order = tl.zeros((), dtype=tl.int64)
-    prev = -1
-    for k in tl.static_range(TOP_K):
-        e = tl.min(tl.where(ids > prev, ids, big), 0)
-        order |= tl.sum(tl.where(ids == e, slots, 0), 0).to(tl.int64) << (4 * k)
-        prev = e
-    return order
 
 
 @triton.jit
@@ -80,7 +65,14 @@ def _combine_add_norm_kernel(
         big = 2147483647
         ids = tl.load(experts_ptr + token * ROW_K + slots, mask=slots < TOP_K, other=big).to(tl.int32)
         g = tl.load(gate_ptr + token * stride_g).to(tl.float32)
-        order = _slot_order(ids, TOP_K, TOP_K_POW2)
+        # The routed slots in ascending expert id (top-k ids are distinct), 4 bits each in one scalar:
+        # after the wait the row loads depend on no reduction, so they go out together.
+        order = tl.zeros((), dtype=tl.int64)
+        prev = -1
+        for k in tl.static_range(TOP_K):
+            e = tl.min(tl.where(ids > prev, ids, big), 0)
+            order |= tl.sum(tl.where(ids == e, slots, 0), 0).to(tl.int64) << (4 * k)
+            prev = e
         pdl.sync(PDL)
         for k in tl.static_range(TOP_K):
             slot = (order >> (4 * k)) & 15

@@ -630,7 +630,7 @@ def _expert_rows(
     out: torch.Tensor,  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
     combine: _Combine,
     defer: bool = False,
-) -> None:
+) -> bool:  # whether down stored the rows weighted, in expert order (WEIGHTED_BY_ID: deferred, routed here)
     """The row blocks (direct or align launch) unless given, gate_up, down and the combine: in the down
     launch up to COMBINE_IN_DOWN_MAX_TOKENS tokens (its last program per feature tile), else its own
     launch; none when `defer` (the caller's next launch combines, moe_exit_triton). Either way each
@@ -671,6 +671,7 @@ def _expert_rows(
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
+    weighted_by_id = route_here and defer
     counters = linear_triton.arrival_counters(x.device, feature_tiles)
     _down_kernel[(nb, feature_tiles)](
         hidden_rows, down, out, sorted_ids, block_expert,
@@ -679,7 +680,7 @@ def _expert_rows(
         *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
-        PERIOD=period, WEIGHTED_BY_ID=route_here and defer, REP=DOWN_WARPS if ROUTE_PER_WARP else 1,
+        PERIOD=period, WEIGHTED_BY_ID=weighted_by_id, REP=DOWN_WARPS if ROUTE_PER_WARP else 1,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:
@@ -687,6 +688,7 @@ def _expert_rows(
             out, *ptrs, *sizes, out.stride(0), *strides,
             BLOCK_TOK=BLOCK_TOK, BLOCK_H=BLOCK_H, **meta, num_warps=4, **pdl.launch_kwargs(),
         )
+    return weighted_by_id
 
 
 def moe_experts(
@@ -743,5 +745,5 @@ def moe_experts_with_shared(
     defer = defer_combine and COMBINE_IN_NEXT_NORM and n <= COMBINE_IN_DOWN_MAX_TOKENS
     y = shared if defer else torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # deferred: no combine writes y (an unread stand-in)
     combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
-    _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
-    return PendingCombine(out, experts, combine.weights, shared_gate, isinstance(blocks, GemmRoute)) if defer else y
+    weighted_by_id = _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
+    return PendingCombine(out, experts, combine.weights, shared_gate, weighted_by_id) if defer else y
