@@ -18,7 +18,7 @@ from tests.kernels import sm90_build  # noqa: E402
 
 _BUILD = """
 import json, sys
-from freetoken.kernels import linear_triton, moe_triton
+from freetoken.kernels import linear_triton, moe_exit_triton as mx, moe_triton, norm_triton
 from tests.kernels import sm90_build
 
 def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
@@ -36,14 +36,27 @@ built = {
                    dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
                         ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, REP=m.GATE_UP_WARPS, PDL=True),
                    {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}, unspecialised=("T", "E")),
-    "down": ptx(m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
-                | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32"},
-                ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles"),
-                dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=False, TOP_K=8, TOP_K_POW2=8,
-                     ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, ROUTE_HERE=True, BLOCK_E=256, ROW_READY=True, PERIOD=64,
-                     WEIGHTED_BY_ID=True, REP=m.DOWN_WARPS, PDL=True),  # the decode step's: its combine deferred to the exit
-                {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "E", "up_tiles")),
 }
+# The combines (in down, on their own, in the next add + norm) fuse no product into a sum (fma).
+for combine_in_down in (False, True):
+    built["down" if not combine_in_down else "down_combine"] = ptx(
+        m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
+        | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32"},
+        ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles"),
+        dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=combine_in_down, TOP_K=8, TOP_K_POW2=8,
+             ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, ROUTE_HERE=True, BLOCK_E=256, ROW_READY=True, PERIOD=64,
+             WEIGHTED_BY_ID=not combine_in_down, REP=m.DOWN_WARPS, PDL=True),  # the decode step's ("down"): its combine deferred to the exit
+        {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "E", "up_tiles"))
+built["combine"] = ptx(m._combine_kernel, {"out_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16"},
+                       ("N", "H", "first", "C", "stride_om", "stride_sm", "stride_gm", "stride_ym"),
+                       dict(TOP_K=8, TOP_K_POW2=8, ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, BLOCK_H=m.BLOCK_H, SHARED=True, PDL=True), {"num_warps": 4}, unspecialised=("N",))
+for weighted_by_id in (False, True):
+    built[f"exit_weighted_by_id_{weighted_by_id}"] = ptx(
+        mx._combine_add_norm_kernel,
+        {"rows_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "gate_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "y_ptr": "*bf16", "pf_ptr": "*i8", "eps": "fp32"},
+        ("H", "stride_rows", "stride_g", "stride_r", "stride_s", "stride_y", "pf_lines", "num_tokens"),
+        dict(TOP_K=8, TOP_K_POW2=8, ROW_K=9, BLOCK_H=2048, WEIGHTED_BY_ID=weighted_by_id, PREFETCH=False, PDL=True),
+        {"num_warps": norm_triton.ADD_NORM_WARPS}, unspecialised=("num_tokens", "eps"))
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
@@ -60,6 +73,7 @@ order = {name: [built[name].find(op) for op in ops] for name, ops in
 p = built["gate_up"]
 routing = p[p.find("griddepcontrol.launch_dependents"):p.find("cp.async")]  # from the wait to the first weight load
 json.dump({"dots": {name: [p.count("wgmma.mma_async"), p.count("mma.sync")] for name, p in built.items()}, "order": order,
+           "bf16_fma": {name: p.count("fma.rn.bf16") for name, p in built.items()},
            "routing_barriers": routing.count("bar.sync"), "routing_redux": routing.count("redux.sync")}, sys.stdout)
 """
 
@@ -89,3 +103,12 @@ def test_the_gemms_routing_stays_inside_each_warp_in_the_sm90_build(counts):
     each pick's int64 key); the one barrier left takes the slot's pick out of the copies."""
     assert counts["routing_barriers"] <= 1, counts["routing_barriers"]
     assert counts["routing_redux"] >= 16, counts["routing_redux"]
+
+
+@pytest.mark.parametrize("kernel", ["down", "down_combine", "combine", "exit_weighted_by_id_False", "exit_weighted_by_id_True"])
+def test_the_moe_combines_fuse_no_product_into_a_sum_in_the_sm90_build(counts, kernel):
+    """The combine rounds each weighted row to x.dtype before adding it, as torch does. With FP fusion on
+    the compiler narrows a bf16 product and the following bf16 sum to bf16 ops and contracts them into
+    fma.rn.bf16x2 (one rounding, not two) unless a select stands between them; then the combine that
+    adds rows down weighted (`WEIGHTED_BY_ID`) and the combines that weight them themselves differ."""
+    assert counts["bf16_fma"][kernel] == 0, f"{kernel}: {counts['bf16_fma'][kernel]} fma.rn.bf16"

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels import l2_prefetch, norm_triton, pdl
+from freetoken.kernels.compat_triton import mul_rn
 
 
 @triton.jit
@@ -78,11 +79,10 @@ def _combine_add_norm_kernel(
             slot = (order >> (4 * k)) & 15
             y = tl.load(rows_ptr + (token * ROW_K + slot) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
             weight = tl.load(weights_ptr + token * TOP_K + slot).to(tl.float32)
-            # As _combine_tile adds it: the select keeps a product of x.dtype = fp32 from fusing into the add.
-            acc += tl.where(slot < TOP_K, (y * weight).to(dtype).to(tl.float32), 0.0)
+            acc += mul_rn(y, weight).to(dtype).to(tl.float32)  # as _combine_tile adds it
         gate = tl.sigmoid(g).to(dtype).to(tl.float32)
         y = tl.load(rows_ptr + (token * ROW_K + TOP_K) * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
-        shared = (gate * y).to(dtype).to(tl.float32)
+        shared = mul_rn(gate, y).to(dtype).to(tl.float32)
     x = (acc.to(dtype).to(tl.float32) + shared).to(dtype)
     r = tl.load(r_ptr + token * stride_r + cols, mask=mask, other=0.0)
     s = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded like a torch add

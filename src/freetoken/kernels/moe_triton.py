@@ -80,7 +80,7 @@ import triton.language as tl
 
 from freetoken.kernels import linear_triton, pdl
 from freetoken.kernels.moe_exit_triton import PendingCombine
-from freetoken.kernels.compat_triton import INTERPRET
+from freetoken.kernels.compat_triton import INTERPRET, mul_rn
 
 BLOCK_M = 16  # routed rows per GEMM tile (aligned layout: each expert's rows padded to a multiple of it)
 # Up to this many routed rows (T = N * R) the direct layout: route writes the row blocks, no align launch.
@@ -436,13 +436,13 @@ def _combine_tile(
         row = tokens * ROW_K + slot
         y = tl.load(out_ptr + row[:, None] * stride_om + cols[None, :], mask=held[:, None] & (cols[None, :] < H), other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
         w = tl.sum(tl.where(slots[None, :] == slot[:, None], weights, 0.0), 1)  # the weight in that slot, exactly
-        acc += tl.where(held[:, None], (y * w[:, None]).to(dtype).to(tl.float32), 0.0)
+        acc += tl.where(held[:, None], mul_rn(y, w[:, None]).to(dtype).to(tl.float32), 0.0)
     mask = live[:, None] & (cols[None, :] < H)
     if SHARED:  # the torch path's rounding: sigmoid to dtype, its product with shared to dtype, the sum to dtype
         g = tl.load(gate_ptr + tokens * stride_gm, mask=live, other=0.0).to(tl.float32)
         gate = tl.sigmoid(g).to(dtype).to(tl.float32)
         shared = tl.load(shared_ptr + tokens[:, None] * stride_sm + cols[None, :], mask=mask, other=0.0, cache_modifier=OUT_CACHE).to(tl.float32)
-        acc = acc.to(dtype).to(tl.float32) + (gate[:, None] * shared).to(dtype).to(tl.float32)
+        acc = acc.to(dtype).to(tl.float32) + mul_rn(gate[:, None], shared).to(dtype).to(tl.float32)
     tl.store(y_ptr + tokens[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
