@@ -18,7 +18,7 @@ from tests.kernels import sm90_build  # noqa: E402
 
 _BUILD = """
 import json, sys
-from freetoken.kernels import linear_triton, moe_exit_triton as mx, moe_triton, norm_triton
+from freetoken.kernels import linear_triton, moe_exit_triton as mx, moe_triton, norm_triton, rope_triton
 from tests.kernels import sm90_build
 
 def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
@@ -57,6 +57,12 @@ for weighted_by_id in (False, True):
         ("H", "stride_rows", "stride_g", "stride_r", "stride_s", "stride_y", "pf_lines", "num_tokens"),
         dict(TOP_K=8, TOP_K_POW2=8, ROW_K=9, BLOCK_H=2048, WEIGHTED_BY_ID=weighted_by_id, PREFETCH=False, PDL=True),
         {"num_warps": norm_triton.ADD_NORM_WARPS}, unspecialised=("num_tokens", "eps"))
+# q/k norm + RoPE: each rotation product rounded to bf16 before the sum, as rope_ref.
+built["norm_rope"] = ptx(rope_triton._norm_rope_kernel,
+                         {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}
+                         | {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "pf_ptr": "*i8", "eps": "fp32"},
+                         ("Hq", "D", "q_row", "q_head", "k_row", "k_head", "v_row", "v_head", "qo_row", "qo_head", "cache_slot", "cache_head", "pf_lines", "num_rows"),
+                         dict(ROT=64, D_PAD=256, PREFETCH=False, PDL=True), {"num_warps": rope_triton.NUM_WARPS}, unspecialised=("num_rows", "eps"))
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
@@ -105,10 +111,11 @@ def test_the_gemms_routing_stays_inside_each_warp_in_the_sm90_build(counts):
     assert counts["routing_redux"] >= 16, counts["routing_redux"]
 
 
-@pytest.mark.parametrize("kernel", ["down", "down_combine", "combine", "exit_weighted_by_id_False", "exit_weighted_by_id_True"])
-def test_the_moe_combines_fuse_no_product_into_a_sum_in_the_sm90_build(counts, kernel):
-    """The combine rounds each weighted row to x.dtype before adding it, as torch does. With FP fusion on
-    the compiler narrows a bf16 product and the following bf16 sum to bf16 ops and contracts them into
-    fma.rn.bf16x2 (one rounding, not two) unless a select stands between them; then the combine that
-    adds rows down weighted (`WEIGHTED_BY_ID`) and the combines that weight them themselves differ."""
+@pytest.mark.parametrize("kernel", ["down", "down_combine", "combine", "exit_weighted_by_id_False", "exit_weighted_by_id_True", "norm_rope"])
+def test_products_rounded_before_a_sum_stay_unfused_in_the_sm90_build(counts, kernel):
+    """The MoE combines round each weighted row to x.dtype before adding it, and the RoPE each rotation
+    product, as torch does. With FP fusion on the compiler narrows a bf16 product and the following bf16
+    sum to bf16 ops and contracts them into fma.rn.bf16x2 (one rounding, not two); then the combine of
+    the rows down weighted (`WEIGHTED_BY_ID`) and the combines that weight them themselves differ.
+    compat_triton.mul_rn keeps such products alone."""
     assert counts["bf16_fma"][kernel] == 0, f"{kernel}: {counts['bf16_fma'][kernel]} fma.rn.bf16"

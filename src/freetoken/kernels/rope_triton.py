@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton, l2_prefetch, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
+from freetoken.kernels import compat_triton, l2_prefetch, pdl
 
 NUM_WARPS = 4  # of the fused q/k norm + RoPE + cache write; 2 or 8 the same within noise in the 35B-A3B step (logs/variants-35b-small-kernels.jsonl)
 
@@ -59,8 +59,8 @@ def _norm_rope_kernel(
     freq = pos * tl.load(inv_freq_ptr + (ds % half), mask=rot, other=0.0)
     cos = tl.cos(freq).to(x_raw.dtype).to(tl.float32)
     sin = tl.sin(freq).to(x_raw.dtype).to(tl.float32)
-    a = (y.to(tl.float32) * cos).to(x_raw.dtype).to(tl.float32)
-    b = (yp * sin).to(x_raw.dtype).to(tl.float32)
+    a = compat_triton.mul_rn(y.to(tl.float32), cos).to(x_raw.dtype).to(tl.float32)  # rounded alone, not fused into the sum
+    b = compat_triton.mul_rn(yp, sin).to(x_raw.dtype).to(tl.float32)
     out = tl.where(rot, (a + b).to(x_raw.dtype), y)
     if is_q:
         tl.store(q_out_ptr + r * qo_row + j * qo_head + ds, out, mask=md)
