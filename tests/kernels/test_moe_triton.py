@@ -41,8 +41,9 @@ def shape(device):  # H, E, top_k, I
     return (64, 8, 2, 32) if device == "cpu" else (2048, 256, 8, 512)
 
 
-def weights_for(device, dtype, seed=0):
+def weights_for(device, dtype, seed=0, num_experts=None):
     h, e, _, i = shape(device)
+    e = num_experts or e
     gen = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(dtype).to(device)
     down = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dtype).to(device)
@@ -237,8 +238,8 @@ def test_combine_in_down_equals_combine_launch(device, dtype, tokens, monkeypatc
 def stacked_for(device, dtype):
     """gate_up [E + 1, 2I, H], down [E + 1, H, I]: the routed experts, then a shared expert."""
     gate_up, down = weights_for(device, dtype)
-    shared_gate_up, shared_down = weights_for(device, dtype, seed=1)
-    return torch.cat([gate_up, shared_gate_up[:1]]), torch.cat([down, shared_down[:1]])
+    shared_gate_up, shared_down = weights_for(device, dtype, seed=1, num_experts=1)
+    return torch.cat([gate_up, shared_gate_up]), torch.cat([down, shared_down])
 
 
 def with_shared(experts, num_experts):
