@@ -52,8 +52,8 @@ Kernels:
             (`WEIGHTED_BY_ID`), so that the exit (moe_exit_triton) reads no routing.
   combine   `_combine_tile`: per token, its routed (first top_k) experts held here in ascending
             id, weight * out added in fp32 (each product rounded to x.dtype first, as the reference
-            does; compat_triton.mul_rn keeps it out of an fma). Given the shared expert's output (a tensor, or the token's row of `out` for
-            expert E) and gate logit it writes the block output in x.dtype,
+            does; compat_triton.mul_rn keeps it out of an fma). Given the shared expert's output (a
+            tensor, or the token's row of `out` for expert E) and gate logit it writes the block output in x.dtype,
             acc.to(dtype) + (sigmoid(g).to(dtype) * shared).to(dtype); otherwise the fp32 partial
             (expert parallel: the ranks' partials are added before the shared expert). Up to
             COMBINE_IN_DOWN_MAX_TOKENS tokens the down launch runs it: each program bumps its feature
