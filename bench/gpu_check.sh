@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU issue records, in one run on a CUDA machine with the project installed:
-# the cuda-marked tests (8 pytest workers: compiling the Triton kernels dominates their time), GPU
+# the cuda-marked tests (8 pytest workers: compiling the Triton kernels dominates their time) and a
+# sweep of the kernels they compiled for fused bf16 products, GPU
 # parity in bf16 for both fixture families, and the bench runs; the tests and parity read FIXTURES_DIR. Results go to ${OUT:-bench/results/gpu-check}.
 #
 #     bash bench/gpu_check.sh [FIXTURES_DIR]      # FIXTURES_DIR defaults to ../shared/fixtures
@@ -12,8 +13,14 @@ export FREETOKEN_FIXTURES="$FIXTURES"  # the tests read the same fixtures (tests
 mkdir -p "$OUT"
 commit=${FREETOKEN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # as freetoken bench records it
 
+export TRITON_CACHE_DIR=$(mktemp -d)  # a fresh cache: every kernel the tests compile is swept below
 python3 -m pytest tests -m cuda -n 8 -q -p no:cacheprovider -rf --tb=short > "$OUT/gpu-tests.log" 2>&1
 echo "# python3 -m pytest tests -m cuda -n 8 (commit $commit): exit $?" >> "$OUT/gpu-tests.log"
+# A bf16 product contracted into a sum rounds once where torch rounds twice (compat_triton.mul_rn):
+# the compiled kernels that have one, to be none unless a kernel means it.
+ptx=$(find "$TRITON_CACHE_DIR" -name '*.ptx')
+{ echo "# kernels with fma.rn.bf16 among the $(echo "$ptx" | grep -c .) compiled (commit $commit):"
+  grep -l "fma.rn.bf16" $ptx | xargs -r -n1 basename | sort | uniq -c; } > "$OUT/bf16-fma-kernels.txt"
 
 for family in qwen35_dense qwen35_moe; do
     tmp=$(mktemp -d)
