@@ -20,7 +20,7 @@ echo "# python3 -m pytest tests -m cuda -n 8 (commit $commit): exit $?" >> "$OUT
 # the compiled kernels that have one, to be none unless a kernel means it.
 ptx=$(find "$TRITON_CACHE_DIR" -name '*.ptx')
 { echo "# kernels with fma.rn.bf16 among the $(echo "$ptx" | grep -c .) compiled (commit $commit):"
-  grep -l "fma.rn.bf16" $ptx | xargs -r -n1 basename | sort | uniq -c; } > "$OUT/bf16-fma-kernels.txt"
+  [ -n "$ptx" ] && grep -l "fma.rn.bf16" $ptx | xargs -r -n1 basename | sort | uniq -c; } > "$OUT/bf16-fma-kernels.txt"
 
 for family in qwen35_dense qwen35_moe; do
     tmp=$(mktemp -d)
