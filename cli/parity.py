@@ -118,4 +118,17 @@ def print_report(results: list, job: ParityJob) -> None:
             f"generated position {d.position}: expected token {d.expected}, got {d.actual}; target top-2 logit margin {margin}"
         )
     if job.json_report is not None:
-        job.json_report.write_text(json.dumps({name: r.to_dict() for name, r in results}, indent=2))
+        _write_json(job.json_report, results, job)
+
+
+def _write_json(path: Path, results: list, job: ParityJob) -> None:
+    """The report with what produced it (command, commit, GPU, date), each run under its name in `runs`."""
+    import sys
+
+    from freetoken.bench import environment
+
+    config = job.config
+    record = {"command": "freetoken " + " ".join(sys.argv[1:]), **environment(), "model": job.model, "dtype": config.dtype,
+              "device": config.device, "tensor_parallel": config.tensor_parallel, "runs": {name: r.to_dict() for name, r in results}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")

@@ -33,7 +33,7 @@ def test_parity_on_the_default_model(dtype, tmp_path):
         args += ["--prompt", p]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    runs = json.loads(report.read_text())
+    runs = json.loads(report.read_text())["runs"]
     assert set(runs) == {"k=1", "k=3"}
     for run in runs.values():
         assert run["passed"] and run["num_matching"] == run["num_tokens"] == 40 * len(PROMPTS)

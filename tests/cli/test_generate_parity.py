@@ -72,8 +72,9 @@ def test_parity_command_reports_pass(unified, tmp_path):
     result = CliRunner().invoke(app, ["parity", str(unified), "--spec", "mtp", "-k", "1", "-k", "3", "-n", "16", "-p", "def f(x):", "-p", "x = [", "--json", str(report)])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
-    assert set(data) == {"k=1", "k=3"}
-    assert all(r["passed"] is True and r["num_prompts"] == 2 and r["num_tokens"] == 32 for r in data.values())
+    assert {"command", "commit", "gpu", "date", "dtype", "device"} <= set(data)
+    assert set(data["runs"]) == {"k=1", "k=3"}
+    assert all(r["passed"] is True and r["num_prompts"] == 2 and r["num_tokens"] == 32 for r in data["runs"].values())
 
 
 def test_trunk_only_checkpoint_with_spec_mtp_fails_in_one_line(tmp_path):

@@ -83,5 +83,5 @@ def test_parity_command_passes_on_a_gguf_checkpoint(tmp_path):
     report = tmp_path / "parity.json"
     result = CliRunner().invoke(app, ["parity", str(tmp_path / "u"), "--spec", "mtp", "-k", "2", "-n", "24", "-p", "def f(x):", "-p", "import os", "--json", str(report)])
     assert result.exit_code == 0, result.output
-    data = json.loads(report.read_text())
+    data = json.loads(report.read_text())["runs"]
     assert data["k=2"]["passed"] is True and data["k=2"]["num_tokens"] == 48
