@@ -128,7 +128,7 @@ def _write_json(path: Path, results: list, job: ParityJob) -> None:
     from freetoken.bench import environment
 
     config = job.config
-    record = {"command": "freetoken " + " ".join(sys.argv[1:]), **environment(), "model": job.model, "dtype": config.dtype,
+    record = {"command": "freetoken " + " ".join(sys.argv[1:]), **environment(), "model": job.model or "(the embedded default)", "dtype": config.dtype,
               "device": config.device, "tensor_parallel": config.tensor_parallel, "runs": {name: r.to_dict() for name, r in results}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
