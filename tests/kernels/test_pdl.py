@@ -46,8 +46,10 @@ EARLY_READS = {  # kernel -> the loads it may issue before its wait
     "linear_triton._linear_conv_kernel": ["tl.load(slots_ptr", "tl.load(win + win_t", "tl.load(win + 2 * win_t", "tl.load(win,", "tl.load(cw,",
                                           "tl.load(cw + 1", "tl.load(cw + 2", "tl.load(cw + 3"],
     "conv_triton._conv_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr"],
-    # the batch's rows and slots, the state tile (this layer's earlier launches), weights
-    "gdn_triton._gdn_fused_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr"],
+    # the input projection's late tiles (x written two launches back, a weight; the output features that
+    # launch left alone, read after this launch only; linear_triton.LateTiles), then the batch's rows and
+    # slots, the state tile (this layer's earlier launches), weights
+    "gdn_triton._gdn_fused_kernel": ["linear_triton.late_tile(", "tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr"],
 }
 
 

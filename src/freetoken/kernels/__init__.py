@@ -28,6 +28,7 @@ from freetoken.kernels.rope_ref import apply_rope
 
 if TYPE_CHECKING:
     from freetoken.kernels.l2_prefetch import Span
+    from freetoken.kernels.linear_triton import LateTiles
     from freetoken.kernels.linear_triton import PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
     from freetoken.kernels.moe_triton import RowBlocks
@@ -73,14 +74,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, defer_sum: bool = False) -> "t
     return linear_ref.linear(x, weight)
 
 
-def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor, slots: torch.Tensor, late: tuple[int, int] | None = None) -> "tuple[torch.Tensor, LateTiles | None] | None":
     """A GDN decode step's input projection with its convolution (Triton only): x [M, K] (one row per
-    sequence) @ weight [N, K]^T -> [M, N] whose first C features are silu(conv) over the windows
+    sequence) @ weight [N, K]^T -> ([M, N] whose first C features are silu(conv) over the windows
     [slots, 3, C] of `slots` [M] (advanced in place; conv_weight [C, 4]), as `linear` then
-    `causal_conv1d_batched` give them. None where the fused launch does not apply (call those two)."""
+    `causal_conv1d_batched` give them; None or the LateTiles of `late`, features (first, count) left
+    for the next launch to compute, where linear_triton.LATE_GATE_PROJECTION and they fit). None
+    where the fused launch does not apply (call those two)."""
     from freetoken.kernels import linear_triton
 
-    return linear_triton.linear_conv(x, weight, windows, conv_weight, slots) if linear_triton.conv_fusable(x, weight, windows, conv_weight) else None
+    if not linear_triton.conv_fusable(x, weight, windows, conv_weight):
+        return None
+    leave = late is not None and linear_triton.LATE_GATE_PROJECTION and linear_triton.late_fits(weight, conv_weight.shape[0], late)
+    return linear_triton.linear_conv(x, weight, windows, conv_weight, slots, late if leave else None)
 
 
 def l2_span(weight: torch.Tensor | None, x: torch.Tensor, site: str) -> "Span | None":
@@ -195,12 +201,13 @@ def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: tor
     return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
 
 
-def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None):
+def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None, late: "LateTiles | None" = None):
     """The gated delta rule over the state pool [slots, Hv, Dk, Dv] with its input preparation fused in
-    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s."""
+    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s;
+    late: the input projection's tiles that `linear_conv` left to this launch."""
     from freetoken.kernels import gdn_triton
 
-    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch)
+    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch, late)
 
 
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):

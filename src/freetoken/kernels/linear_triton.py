@@ -43,6 +43,10 @@ BLOCK_K = 128
 # A Gated DeltaNet decode step runs its convolution in the input projection's launch (`linear_conv`),
 # not a launch of its own.
 CONV_IN_PROJECTION = True
+# A Gated DeltaNet decode step computes its output gate's projection (z, the input projection's middle
+# features) in the recurrence's launch (`LateTiles`), where those programs stream while the recurrence
+# waits on latency, instead of in the input projection's launch (a setting for bench/variants.py).
+LATE_GATE_PROJECTION = True
 # Up to this many rows a split-K linear asked to (`linear(defer_sum=True)`) leaves its slices' sum to
 # the next residual add + norm, which loads the row anyway (`PendingSplitK`); 0: never.
 DEFER_SUM_MAX_ROWS = 64
@@ -61,6 +65,37 @@ class PendingSplitK(NamedTuple):
         from freetoken.kernels import norm_triton
 
         return norm_triton.add_zc_rms_norm(self, residual, weight, eps, prefetch)
+
+
+class LateTiles(NamedTuple):
+    """Feature tiles [first, first + count) of a decode projection y = x W^T that its own launch left out
+    (`linear_conv(late=...)`), for the extra programs of a later launch to compute (`late_tile`): each
+    tile as the projection's launch computes it, so the same bits. Those programs read x and the weight
+    before their wait, so the launch must come right after the projection's (pdl.py)."""
+
+    x: torch.Tensor  # [M, K]
+    weight: torch.Tensor  # [N, K]
+    y: torch.Tensor  # [M, N] the projection's output; these features are written by the later launch
+    first: int  # a multiple of the configuration's block_n
+    count: int
+
+    def num_programs(self) -> int:
+        """Programs that compute the tiles: one per (row block, feature tile)."""
+        block_n = config_for(*self.weight.shape, self.weight.dtype).block_n
+        return triton.cdiv(self.x.shape[0], BLOCK_M) * triton.cdiv(self.count, block_n)
+
+    def kernel_args(self) -> dict:
+        """The late_* arguments of a kernel that runs `late_tile` (LATE=True)."""
+        cfg = config_for(*self.weight.shape, self.weight.dtype)
+        return {"late_x_ptr": self.x, "late_w_ptr": self.weight, "late_y_ptr": self.y, "late_m": self.x.shape[0], "late_k": self.x.shape[1],
+                "late_first": self.first, "late_count": self.count, "late_stride_xm": self.x.stride(0), "late_stride_wn": self.weight.stride(0),
+                "late_stride_ym": self.y.stride(0), "LATE_BLOCK_M": BLOCK_M, "LATE_BLOCK_N": cfg.block_n, "LATE_BLOCK_K": cfg.block_k, "LATE_DOT_F32": INTERPRET, "LATE": True}
+
+    @staticmethod
+    def no_kernel_args(fallback: torch.Tensor) -> dict:
+        """The late_* arguments of such a kernel with no late tiles (LATE=False)."""
+        return {"late_x_ptr": fallback, "late_w_ptr": fallback, "late_y_ptr": fallback, "late_m": 0, "late_k": 0, "late_first": 0, "late_count": 0,
+                "late_stride_xm": 0, "late_stride_wn": 0, "late_stride_ym": 0, "LATE_BLOCK_M": BLOCK_M, "LATE_BLOCK_N": 16, "LATE_BLOCK_K": 16, "LATE_DOT_F32": INTERPRET, "LATE": False}
 
 
 @dataclass(frozen=True)
@@ -96,6 +131,20 @@ def _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, s
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, x, acc, input_precision="ieee")
     return acc
+
+
+@triton.jit
+def late_tile(x_ptr, w_ptr, y_ptr, index, M, K, first, count, stride_xm, stride_wn, stride_ym,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program `index` of a LateTiles' programs (row block index // feature tiles, feature tile
+    index % feature tiles): its y^T tile, as `_linear_conv_kernel` computes and stores that tile."""
+    feature_tiles = tl.cdiv(count, BLOCK_N)
+    rows = (index // feature_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = first + (index % feature_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < first + count
+    acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, 0, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -135,11 +184,17 @@ def _linear_kernel(
 @triton.jit(do_not_specialize=["M"])
 def _linear_conv_kernel(
     x_ptr, w_ptr, y_ptr, win_ptr, conv_w_ptr, slots_ptr,
-    M, N, K, C,
+    M, N, K, C, late_first_tile, late_tiles,
     stride_xm, stride_wn, stride_ym, win_slot, win_t, conv_wc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
+    # Feature tiles [late_first_tile, + late_tiles) are left to a later launch (LateTiles): skipped.
+    tile = tl.program_id(1)
+    tile += tl.where(tile >= late_first_tile, late_tiles, 0)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
     conv = (cols < C)[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M] the convolved features
     # The rows' slots (host copies), the conv weights and the windows (this layer's, written a step
     # back): read before the wait, and the window's three taps summed while the previous kernel runs.
@@ -222,29 +277,44 @@ def linear_conv(
     windows: torch.Tensor,  # [slots, 3, C] the convolution's window pool (raw inputs), advanced in place
     conv_weight: torch.Tensor,  # [C, 4]
     slots: torch.Tensor,  # [M] int32, each row's window slot
-) -> torch.Tensor:  # [M, N] x.dtype
+    late: tuple[int, int] | None = None,  # (first, count) features to leave to a later launch
+) -> tuple[torch.Tensor, LateTiles | None]:  # [M, N] x.dtype, and the tiles left out
     """x @ weight^T with the decode step of the causal convolution on its first C features: those are
     silu(conv) as `conv_triton.causal_conv1d` gives them (same taps, same order; the window shifts
     in), the rest the plain linear's. Each feature tile is the plain linear's tile (same
-    configuration), so the bits of both results are the unfused ops'. Requires `conv_fusable`."""
+    configuration), so the bits of both results are the unfused ops'. Requires `conv_fusable`.
+    late: features past C, tile-aligned, that this launch leaves out; the returned LateTiles computes
+    them in a later launch (`late_fits` says whether they may be left)."""
     m, k = x.shape
     n = weight.shape[0]
     c = conv_weight.shape[0]
     assert windows.shape[-1] == c and windows.stride(-1) == 1 and c <= n, f"linear_conv: windows {tuple(windows.shape)} for {c} of {n} features"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    conv_weight = conv_weight if conv_weight.stride(1) == 1 else conv_weight.contiguous()
     cfg = config_for(n, k, weight.dtype)
-    _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n))](
-        x, weight, y, windows, conv_weight, slots, m, n, k, c,
+    late_tiles = LateTiles(x, weight, y, *late) if late is not None and m > 0 else None
+    if late_tiles is not None:
+        assert late_fits(weight, c, late), f"linear_conv: features {late} cannot be left to a later launch"
+    if m == 0:
+        return y, None
+    conv_weight = conv_weight if conv_weight.stride(1) == 1 else conv_weight.contiguous()
+    first_tile, skipped = (late[0] // cfg.block_n, late[1] // cfg.block_n) if late_tiles is not None else (0, 0)
+    _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n) - skipped)](
+        x, weight, y, windows, conv_weight, slots, m, n, k, c, first_tile, skipped,
         x.stride(0), weight.stride(0), y.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
-    return y
+    return y, late_tiles
+
+
+def late_fits(weight: torch.Tensor, c: int, late: tuple[int, int]) -> bool:
+    """Whether linear_conv may leave features [first, first + count) of weight [N, K] to a later launch:
+    whole feature tiles of its configuration, past the C convolved features, inside N."""
+    first, count = late
+    block_n = config_for(*weight.shape, weight.dtype).block_n
+    return c <= first and count > 0 and first % block_n == 0 and count % block_n == 0 and first + count <= weight.shape[0]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None, defer_sum: bool = False) -> torch.Tensor | PendingSplitK:
