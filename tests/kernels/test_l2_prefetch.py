@@ -36,7 +36,7 @@ built = {
                       "o_ptr": "*bf16", "starts_ptr": "*i32", "counts_ptr": "*i32", "slots_ptr": "*i32"} | pf
                      | {"late_x_ptr": "*bf16", "late_w_ptr": "*bf16", "late_y_ptr": "*bf16"},
                      ("Dk", "Dv", "key_dim", "rep", "write_state", "write_output", "s_slot", "s_head", "s_k", "x_row", "a_row", "b_row",
-                      "o_row", "o_head", "pf_lines", "num_seqs", "late_m", "late_k", "late_first", "late_count", "late_stride_xm",
+                      "o_row", "o_head", "pf_lines", "num_seqs", "late_m", "late_k", "late_first", "late_count", "late_period", "late_runs", "late_stride_xm",
                       "late_stride_wn", "late_stride_ym", "late_row0", "late_programs"),
                      dict(BLOCK_K=128, BLOCK_V=32, PREFETCH=True, LATE_BLOCK_M=16, LATE_BLOCK_N=64, LATE_BLOCK_K=128, LATE_DOT_F32=False,
                           LATE=True, PDL=True), floats=("scale",)),  # the decode step's build, with the input projection's late tiles

@@ -113,6 +113,7 @@ def test_late_tiles_in_the_recurrence_launch_have_the_bits_of_the_projection(dev
     linear; the recurrence's outputs and state are those of a launch without them."""
     from freetoken.kernels import conv_triton, gdn_triton
     from freetoken.kernels.batched import SeqBatch
+    from freetoken.kernels.late_span import LateSpan
 
     # CPU: C = 2 * 2 * 16 + 4 * 32 = 192 and z = 128 features: whole tiles of 64 (block_n), as at the real shapes
     hk, hv, dk, dv, k, m = (2, 4, 16, 32, 80, 3) if device == "cpu" else (16, 32, 128, 128, 2048, 19)
@@ -124,9 +125,9 @@ def test_late_tiles_in_the_recurrence_launch_have_the_bits_of_the_projection(dev
     windows = torch.randn(m + 2, 3, c, generator=gen).to(dtype).to(device)
     conv_weight = torch.randn(c, 1, 4, generator=gen).to(dtype).to(device)[:, 0, :]
     batch = SeqBatch(tuple(range(m)), (1,) * m, (0,) * m, tuple(range(2, m + 2)), (), torch.device(device))
-    late = (c, hv * dv)
-    assert linear_triton.late_fits(weight, c, late)
-    assert not linear_triton.late_fits(weight, c, (c - 64, 64)) and not linear_triton.late_fits(weight, c, (c + 1, 64))
+    late = LateSpan(c, hv * dv)
+    assert linear_triton.late_fits(weight, late, c)
+    assert not linear_triton.late_fits(weight, LateSpan(c - 64, 64), c) and not linear_triton.late_fits(weight, LateSpan(c + 1, 64), c)
     want_windows = windows.clone()
     want = linear_triton.linear(x, weight)
     want[:, :c] = conv_triton.causal_conv1d(want_windows, want[:, :c], conv_weight, batch)
@@ -177,3 +178,4 @@ def test_deferred_sum_has_the_bits_of_linear_then_add_norm(device, dtype, rows):
     more = torch.randn(linear_triton.DEFER_SUM_MAX_ROWS + 1, k, generator=gen).to(dtype).to(device)
     assert isinstance(linear_triton.linear(more, weight, defer_sum=True), torch.Tensor)
     assert isinstance(linear_triton.linear(x[:, :32].contiguous(), weight[:, :32].contiguous(), defer_sum=True), torch.Tensor)  # K = 32: no split
+

@@ -28,6 +28,7 @@ from freetoken.kernels.rope_ref import apply_rope
 
 if TYPE_CHECKING:
     from freetoken.kernels.l2_prefetch import Span
+    from freetoken.kernels.late_span import LateSpan
     from freetoken.kernels.linear_triton import LateTiles
     from freetoken.kernels.linear_triton import PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
@@ -74,19 +75,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, defer_sum: bool = False) -> "t
     return linear_ref.linear(x, weight)
 
 
-def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor, slots: torch.Tensor, late: tuple[int, int] | None = None) -> "tuple[torch.Tensor, LateTiles | None] | None":
+def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor, slots: torch.Tensor, late: "LateSpan | None" = None) -> "tuple[torch.Tensor, LateTiles | None] | None":
     """A GDN decode step's input projection with its convolution (Triton only): x [M, K] (one row per
     sequence) @ weight [N, K]^T -> ([M, N] whose first C features are silu(conv) over the windows
     [slots, 3, C] of `slots` [M] (advanced in place; conv_weight [C, 4]), as `linear` then
-    `causal_conv1d_batched` give them; None or the LateTiles of `late`, features (first, count) left
-    for the next launch to compute, where linear_triton.LATE_GATE_PROJECTION and they fit). None
-    where the fused launch does not apply (call those two)."""
+    `causal_conv1d_batched` give them; None, or the LateTiles of the features `late` (the output gate's)
+    left for the recurrence's launch to compute, where linear_triton.LATE_GDN_GATE is on and they fit).
+    None where the fused launch does not apply (call those two)."""
     from freetoken.kernels import linear_triton
 
     if not linear_triton.conv_fusable(x, weight, windows, conv_weight):
         return None
-    leave = late is not None and linear_triton.LATE_GATE_PROJECTION and linear_triton.late_fits(weight, conv_weight.shape[0], late)
+    leave = late is not None and linear_triton.LATE_GDN_GATE and linear_triton.late_fits(weight, late, conv_weight.shape[0])
     return linear_triton.linear_conv(x, weight, windows, conv_weight, slots, late if leave else None)
+
+
+def linear_leaving_gate(x: torch.Tensor, weight: torch.Tensor, late: "LateSpan") -> "tuple[torch.Tensor, LateTiles | None]":
+    """A gated attention's q/k/v projection x [M, K] @ weight [N, K]^T -> ([M, N], the LateTiles of
+    `late`, the gate's features, left for the attention's partition launch to compute), where
+    linear_triton.LATE_ATTENTION_GATE is on, on the Triton path, at most one row block (decode and
+    verify at small batch) and where they fit; else (linear(x, weight), None)."""
+    if use_triton(x):
+        from freetoken.kernels import linear_triton
+
+        from freetoken.kernels import attention_triton
+
+        if (linear_triton.LATE_ATTENTION_GATE and not attention_triton.MERGE_IN_PARTITION_MAX_GROUPS and x.dtype == weight.dtype
+                and 0 < x.shape[0] <= linear_triton.BLOCK_M and linear_triton.late_fits(weight, late)):
+            return linear_triton.linear_leaving(x, weight, late)
+    return linear(x, weight), None
 
 
 def l2_span(weight: torch.Tensor | None, x: torch.Tensor, site: str) -> "Span | None":
@@ -181,13 +198,15 @@ def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq
     return q
 
 
-def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float, gate: torch.Tensor | None = None, late: "LateTiles | None" = None) -> torch.Tensor:
     """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row causally in its sequence -> [N, Hq, D],
-    times sigmoid(gate [N, Hq, D]) when a gate is given."""
+    times sigmoid(gate [N, Hq, D]) when a gate is given. late: the gate's tiles that the projection left
+    to this call (`linear_leaving_gate`; Triton only)."""
     if use_triton(q):
         from freetoken.kernels import attention_triton
 
-        return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale, gate)
+        return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale, gate, late)
+    assert late is None, "late gate tiles on the Triton path only"
     out = batched.paged_attention_batched(q, k_cache, v_cache, batch, block_size, scale)
     return out if gate is None else out * torch.sigmoid(gate)
 

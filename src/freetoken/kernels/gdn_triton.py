@@ -111,7 +111,7 @@ def _gdn_fused_kernel(
     pf_ptr, pf_lines, num_seqs,
     # LATE: the input projection's tiles left to this launch (linear_triton.LateTiles), by the programs
     # from grid row late_row0 on
-    late_x_ptr, late_w_ptr, late_y_ptr, late_m, late_k, late_first, late_count, late_stride_xm, late_stride_wn, late_stride_ym,
+    late_x_ptr, late_w_ptr, late_y_ptr, late_m, late_k, late_first, late_count, late_period, late_runs, late_stride_xm, late_stride_wn, late_stride_ym,
     late_row0, late_programs,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
     LATE_BLOCK_M: tl.constexpr, LATE_BLOCK_N: tl.constexpr, LATE_BLOCK_K: tl.constexpr, LATE_DOT_F32: tl.constexpr, LATE: tl.constexpr, PDL: tl.constexpr,
@@ -121,7 +121,7 @@ def _gdn_fused_kernel(
             pdl.release(PDL)
             index = ((tl.program_id(0) - late_row0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
             if index < late_programs:
-                linear_triton.late_tile(late_x_ptr, late_w_ptr, late_y_ptr, index, late_m, late_k, late_first, late_count,
+                linear_triton.late_tile(late_x_ptr, late_w_ptr, late_y_ptr, index, late_m, late_k, late_first, late_count, late_period, late_runs,
                                         late_stride_xm, late_stride_wn, late_stride_ym, LATE_BLOCK_M, LATE_BLOCK_N, LATE_BLOCK_K, LATE_DOT_F32)
             return
     if PREFETCH:  # the programs past the sequences' prefetch the next GEMM's weight (l2_prefetch)

@@ -36,6 +36,7 @@ from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.distributed.sharding import ShardSpec
 from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
+from freetoken.kernels.late_span import LateSpan
 from freetoken.layers.basic import GatedRMSNorm, _empty
 from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -166,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         recurrence's launch (late: their LateTiles, else None); otherwise the projection, then the convolution."""
         conv_weight = self.conv1d.weight[:, 0, :]
         if self.in_proj_weight is not None and kernels.use_triton(x) and all(n == 1 for n in batch.num_rows):
-            fused = kernels.linear_conv(x, self.in_proj_weight, windows, conv_weight, batch.slots, late=(self.conv_dim, self.num_v_heads * self.v_head_dim))
+            fused = kernels.linear_conv(x, self.in_proj_weight, windows, conv_weight, batch.slots, late=LateSpan(self.conv_dim, self.num_v_heads * self.v_head_dim))
             if fused is not None:
                 return *self._split(fused[0]), fused[1]
         mixed_qkv, z, b, a = self._project(x)
