@@ -48,9 +48,9 @@ CONV_IN_PROJECTION = True
 # by their projection's launch to the latency-bound launch after it, whose extra programs stream them
 # while its own programs wait on latency (`LateSpan`): a GDN layer's z (input projection -> the
 # recurrence's launch) and a gated attention's gate (q/k/v projection -> the partition launch).
-# Settings for bench/variants.py.
-LATE_GDN_GATE = True
-LATE_ATTENTION_GATE = True
+# Settings for bench/variants.py; off until timed on a GPU (the CPU tests and the sm90 build check them).
+LATE_GDN_GATE = False
+LATE_ATTENTION_GATE = False
 # Up to this many rows a split-K linear asked to (`linear(defer_sum=True)`) leaves its slices' sum to
 # the next residual add + norm, which loads the row anyway (`PendingSplitK`); 0: never.
 DEFER_SUM_MAX_ROWS = 64
