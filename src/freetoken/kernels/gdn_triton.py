@@ -118,11 +118,8 @@ def _gdn_fused_kernel(
 ):
     if LATE:  # x and the weight were written two launches back or never, so these programs never wait (pdl.py)
         if tl.program_id(0) >= late_row0:
-            pdl.release(PDL)
-            index = ((tl.program_id(0) - late_row0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-            if index < late_programs:
-                linear_triton.late_tile(late_x_ptr, late_w_ptr, late_y_ptr, index, late_m, late_k, late_first, late_count, late_period, late_runs,
-                                        late_stride_xm, late_stride_wn, late_stride_ym, LATE_BLOCK_M, LATE_BLOCK_N, LATE_BLOCK_K, LATE_DOT_F32)
+            linear_triton.run_late(late_row0, late_programs, late_x_ptr, late_w_ptr, late_y_ptr, late_m, late_k, late_first, late_count, late_period, late_runs,
+                                   late_stride_xm, late_stride_wn, late_stride_ym, LATE_BLOCK_M, LATE_BLOCK_N, LATE_BLOCK_K, LATE_DOT_F32, PDL)
             return
     if PREFETCH:  # the programs past the sequences' prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_seqs:

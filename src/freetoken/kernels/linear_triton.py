@@ -175,6 +175,18 @@ def late_tile(x_ptr, w_ptr, y_ptr, index, M, K, first, count, period, runs, stri
     tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
 
 
+@triton.jit
+def run_late(late_row0, late_programs, x_ptr, w_ptr, y_ptr, M, K, first, count, period, runs, stride_xm, stride_wn, stride_ym,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    """The body of a late-tile program of another kernel's launch (grid axis 0 at or past late_row0,
+    numbered over the other axes): it lets the next kernel launch, never waits (pdl.py), and computes
+    its LateTiles tile, if any."""
+    pdl.release(PDL)
+    index = ((tl.program_id(0) - late_row0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    if index < late_programs:
+        late_tile(x_ptr, w_ptr, y_ptr, index, M, K, first, count, period, runs, stride_xm, stride_wn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
