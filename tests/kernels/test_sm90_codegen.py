@@ -67,12 +67,12 @@ built["norm_rope"] = ptx(rope_triton._norm_rope_kernel,
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", *LATE),
-                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=False, DOT_F32=False, PDL=True),
+                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=False, DOT_F32=False, SKIP_LATE=False, PDL=True),
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", *LATE))
 cfg = lt.config_for(9216, 2048, __import__("torch").bfloat16)  # the 35B-A3B attention's q/k/v projection (its gate left late)
 built["linear_qkv"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*bf16", "lock_ptr": "*bf16"},
                           ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", *LATE),
-                          dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1, DEFER=False, DOT_F32=False, PDL=True),
+                          dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1, DEFER=False, DOT_F32=False, SKIP_LATE=True, PDL=True),
                           {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", *LATE))
 from freetoken.kernels import attention_triton
 built["partition_late"] = ptx(attention_triton._partition_kernel,
@@ -87,7 +87,7 @@ built["partition_late"] = ptx(attention_triton._partition_kernel,
 cfg = lt.config_for(12352, 2048, __import__("torch").bfloat16)  # the 35B-A3B GDN input projection, its convolution in the launch
 built["linear_conv"] = ptx(lt._linear_conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "win_ptr": "*bf16", "conv_w_ptr": "*bf16", "slots_ptr": "*i32"},
                            ("M", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "win_slot", "win_t", "conv_wc", *LATE),
-                           dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=False, PDL=True),
+                           dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=False, SKIP_LATE=True, PDL=True),
                            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", "conv_wc", *LATE))
 # The GDN recurrence with the input projection's late tiles (linear_triton.LateTiles): its tile dots are the projection's wgmma.
 from freetoken.kernels import gdn_triton

@@ -71,7 +71,7 @@ class PendingSplitK(NamedTuple):
         return norm_triton.add_zc_rms_norm(self, residual, weight, eps, prefetch)
 
 
-NO_LATE_TILES = (0, 0, 1, 0)  # (first, count, period, runs) in tiles: nothing left out (kept_tile(p) = p)
+NO_LATE_TILES = (0, 0, 1, 0)  # (first, count, period, runs) in tiles: nothing left out (kept_tile(p) = p; SKIP_LATE off)
 
 
 class LateTiles(NamedTuple):
@@ -120,11 +120,14 @@ class LinearConfig:
 
 
 @triton.jit
-def _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's rows [BLOCK_M] (axis 0) and features [BLOCK_N] (its kept feature tile, axis 1:
-    `kept_tile` of the late tiles left out), and their in-range masks."""
+def _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_LATE: tl.constexpr):
+    """This program's rows [BLOCK_M] (axis 0) and features [BLOCK_N] (axis 1: its feature tile, or with
+    SKIP_LATE its kept tile, `kept_tile` of the late tiles left out), and their in-range masks."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = kept_tile(tl.program_id(1), late_first, late_count, late_period, late_runs) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SKIP_LATE:
+        cols = kept_tile(tl.program_id(1), late_first, late_count, late_period, late_runs) * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, cols, rows < M, cols < N
 
 
@@ -193,11 +196,12 @@ def _linear_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     late_first, late_count, late_period, late_runs,  # feature tiles left to a later launch (LateTiles; SPLIT 1 only)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr, DOT_F32: tl.constexpr,
+    SKIP_LATE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_s = tl.program_id(2)
-    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M, BLOCK_N, SKIP_LATE)
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
@@ -228,9 +232,9 @@ def _linear_conv_kernel(
     M, N, K, C,
     stride_xm, stride_wn, stride_ym, win_slot, win_t, conv_wc,
     late_first, late_count, late_period, late_runs,  # feature tiles left to a later launch (LateTiles)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, SKIP_LATE: tl.constexpr, PDL: tl.constexpr,
 ):
-    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M, BLOCK_N, SKIP_LATE)
     conv = (cols < C)[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M] the convolved features
     # The rows' slots (host copies), the conv weights and the windows (this layer's, written a step
     # back): read before the wait, and the window's three taps summed while the previous kernel runs.
@@ -336,7 +340,7 @@ def linear_conv(
     _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n) - tiles[1] * tiles[3])](
         x, weight, y, windows, conv_weight, slots, m, n, k, c,
         x.stride(0), weight.stride(0), y.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0), *tiles,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, SKIP_LATE=late is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y, LateTiles(x, weight, y, late) if late is not None else None
@@ -365,7 +369,7 @@ def linear_leaving(x: torch.Tensor, weight: torch.Tensor, late: LateSpan) -> tup
     tiles = late.tiles(cfg.block_n)
     _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n) - tiles[1] * tiles[3], 1)](
         x, weight, y, y, y, m, n, k, triton.cdiv(k, cfg.block_k) * cfg.block_k, x.stride(0), weight.stride(0), y.stride(0), *tiles,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1, DEFER=False, DOT_F32=INTERPRET,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1, DEFER=False, DOT_F32=INTERPRET, SKIP_LATE=True,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
     return y, LateTiles(x, weight, y, late)
@@ -394,7 +398,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(-2), *NO_LATE_TILES,
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=defer, DOT_F32=INTERPRET,
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=defer, DOT_F32=INTERPRET, SKIP_LATE=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return PendingSplitK(y, x.dtype) if defer else y
