@@ -29,8 +29,7 @@ from freetoken.kernels.rope_ref import apply_rope
 if TYPE_CHECKING:
     from freetoken.kernels.l2_prefetch import Span
     from freetoken.kernels.late_span import LateSpan
-    from freetoken.kernels.linear_triton import LateTiles
-    from freetoken.kernels.linear_triton import PendingSplitK
+    from freetoken.kernels.linear_triton import LateTiles, PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
     from freetoken.kernels.moe_triton import RowBlocks
 
@@ -96,9 +95,7 @@ def linear_leaving_gate(x: torch.Tensor, weight: torch.Tensor, late: "LateSpan")
     linear_triton.LATE_ATTENTION_GATE is on, on the Triton path, at most one row block (decode and
     verify at small batch) and where they fit; else (linear(x, weight), None)."""
     if use_triton(x):
-        from freetoken.kernels import linear_triton
-
-        from freetoken.kernels import attention_triton
+        from freetoken.kernels import attention_triton, linear_triton
 
         if (linear_triton.LATE_ATTENTION_GATE and not attention_triton.MERGE_IN_PARTITION_MAX_GROUPS and x.dtype == weight.dtype
                 and 0 < x.shape[0] <= linear_triton.BLOCK_M and linear_triton.late_fits(weight, late)):
