@@ -249,15 +249,13 @@ def paged_attention(
     counters = linear_triton.arrival_counters(q.device, len(sizes) * num_kv_heads) if merge_here else m_ws  # an unread stand-in
     for g0, g1, r0, r1 in _launches(sizes, rows_per_launch):
         # the late tiles by the first launch's programs past its row groups
-        late_here = late if g0 == 0 else None
-        late_rows = triton.cdiv(late_here.num_programs(), num_kv_heads * num_parts) if late_here is not None else 0
-        late_args = late_here.kernel_args() if late_here is not None else linear_triton.LateTiles.no_kernel_args(q)
+        late_rows, late_args = linear_triton.late_launch_args(late if g0 == 0 else None, num_kv_heads * num_parts, g1 - g0, q)
         _partition_kernel[(g1 - g0 + late_rows, num_kv_heads, num_parts)](
             q, k_cache, v_cache, m_ws, l_ws, acc_ws, groups[g0:], batch.row_seq, batch.context_lens, table,
             group, d, block_size, scale, num_parts, r0,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             counters, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-            **late_args, late_row0=g1 - g0, late_programs=late_here.num_programs() if late_here is not None else 0,
+            **late_args,
             G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, MERGE=merge_here, HAS_GATE=gate is not None,
             num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )

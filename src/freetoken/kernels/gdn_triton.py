@@ -202,15 +202,13 @@ def gdn_fused(
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     v_tiles = triton.cdiv(dv, block_v)
     extra, pf_args = l2_prefetch.launch_args(prefetch, num_heads * v_tiles, state)
-    late_row0 = batch.num_seqs + extra
-    late_rows = triton.cdiv(late.num_programs(), num_heads * v_tiles) if late is not None else 0
-    late_args = late.kernel_args() if late is not None else linear_triton.LateTiles.no_kernel_args(state)
-    _gdn_fused_kernel[(late_row0 + late_rows, num_heads, v_tiles)](
+    late_rows, late_args = linear_triton.late_launch_args(late, num_heads * v_tiles, batch.num_seqs + extra, state)
+    _gdn_fused_kernel[(batch.num_seqs + extra + late_rows, num_heads, v_tiles)](
         state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        num_seqs=batch.num_seqs, **pf_args, **late_args, late_row0=late_row0, late_programs=late.num_programs() if late is not None else 0,
+        num_seqs=batch.num_seqs, **pf_args, **late_args,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

@@ -18,6 +18,10 @@ class LateSpan(NamedTuple):
         """(first, count, period, runs) in feature tiles of block_n."""
         return self.first // block_n, self.count // block_n, max(self.period, self.count) // block_n, self.runs
 
+    def num_tiles(self, block_n: int) -> int:
+        """Feature tiles in all the runs."""
+        return self.count // block_n * self.runs
+
     def fits(self, n: int, block_n: int, after: int = 0) -> bool:
         """Whether these are whole feature tiles of block_n inside N features, none before `after`, runs apart."""
         aligned = all(v % block_n == 0 for v in (self.first, self.count, self.period))

@@ -89,7 +89,7 @@ class LateTiles(NamedTuple):
     def num_programs(self) -> int:
         """Programs that compute the span: one per (row block, feature tile)."""
         block_n = config_for(*self.weight.shape, self.weight.dtype).block_n
-        return triton.cdiv(self.x.shape[0], BLOCK_M) * (self.span.count // block_n) * self.span.runs
+        return triton.cdiv(self.x.shape[0], BLOCK_M) * self.span.num_tiles(block_n)
 
     def kernel_args(self) -> dict:
         """The late_* arguments of a kernel that runs `late_tile` (LATE=True)."""
@@ -100,14 +100,18 @@ class LateTiles(NamedTuple):
                 "late_stride_xm": self.x.stride(0), "late_stride_wn": self.weight.stride(0), "late_stride_ym": self.y.stride(0),
                 "LATE_BLOCK_M": BLOCK_M, "LATE_BLOCK_N": cfg.block_n, "LATE_BLOCK_K": cfg.block_k, "LATE_DOT_F32": INTERPRET, "LATE": True}
 
-    @staticmethod
-    def no_kernel_args(fallback: torch.Tensor) -> dict:
-        """The late_* arguments of such a kernel with no late tiles (LATE=False)."""
+
+def late_launch_args(late: LateTiles | None, programs_per_row: int, row0: int, fallback: torch.Tensor) -> tuple[int, dict]:
+    """(rows to append to a launch's grid axis 0 at row0, whose other axes hold programs_per_row
+    programs; the kernel's late_* arguments, late_row0 and late_programs) of optional late tiles."""
+    if late is None:
         first, count, period, runs = NO_LATE_TILES
-        return {"late_x_ptr": fallback, "late_w_ptr": fallback, "late_y_ptr": fallback, "late_m": 0, "late_k": 0,
-                "late_first": first, "late_count": count, "late_period": period, "late_runs": runs,
-                "late_stride_xm": 0, "late_stride_wn": 0, "late_stride_ym": 0,
-                "LATE_BLOCK_M": BLOCK_M, "LATE_BLOCK_N": 16, "LATE_BLOCK_K": 16, "LATE_DOT_F32": INTERPRET, "LATE": False}
+        return 0, {"late_x_ptr": fallback, "late_w_ptr": fallback, "late_y_ptr": fallback, "late_m": 0, "late_k": 0,
+                   "late_first": first, "late_count": count, "late_period": period, "late_runs": runs,
+                   "late_stride_xm": 0, "late_stride_wn": 0, "late_stride_ym": 0, "late_row0": row0, "late_programs": 0,
+                   "LATE_BLOCK_M": BLOCK_M, "LATE_BLOCK_N": 16, "LATE_BLOCK_K": 16, "LATE_DOT_F32": INTERPRET, "LATE": False}
+    programs = late.num_programs()
+    return triton.cdiv(programs, programs_per_row), late.kernel_args() | {"late_row0": row0, "late_programs": programs}
 
 
 @dataclass(frozen=True)
@@ -337,7 +341,7 @@ def linear_conv(
     conv_weight = conv_weight if conv_weight.stride(1) == 1 else conv_weight.contiguous()
     cfg = config_for(n, k, weight.dtype)
     tiles = late.tiles(cfg.block_n) if late is not None else NO_LATE_TILES
-    _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n) - tiles[1] * tiles[3])](
+    _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n) - (late.num_tiles(cfg.block_n) if late is not None else 0))](
         x, weight, y, windows, conv_weight, slots, m, n, k, c,
         x.stride(0), weight.stride(0), y.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0), *tiles,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, SKIP_LATE=late is not None,
@@ -357,32 +361,21 @@ def linear_leaving(x: torch.Tensor, weight: torch.Tensor, late: LateSpan) -> tup
     """x [M, K] @ weight [N, K]^T -> ([M, N] in x.dtype without `late`'s features, their LateTiles for a
     later launch): each computed tile as `linear` computes it. Requires `late_fits(weight, late)` and at
     most MAX_ROWS_PER_LAUNCH rows."""
-    assert x.dtype == weight.dtype and late_fits(weight, late) and x.shape[0] <= MAX_ROWS_PER_LAUNCH, f"linear_leaving: {late} of {tuple(weight.shape)}"
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    if m == 0:
-        return y, LateTiles(x, weight, y, late)
-    cfg = config_for(n, k, weight.dtype)
-    tiles = late.tiles(cfg.block_n)
-    _linear_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n) - tiles[1] * tiles[3], 1)](
-        x, weight, y, y, y, m, n, k, triton.cdiv(k, cfg.block_k) * cfg.block_k, x.stride(0), weight.stride(0), y.stride(0), *tiles,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1, DEFER=False, DOT_F32=INTERPRET, SKIP_LATE=True,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
-    )
+    y = linear(x, weight, late=late)
     return y, LateTiles(x, weight, y, late)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None, defer_sum: bool = False) -> torch.Tensor | PendingSplitK:
+def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None, defer_sum: bool = False, late: LateSpan | None = None) -> torch.Tensor | PendingSplitK:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation. defer_sum: with a K split and
     at most DEFER_SUM_MAX_ROWS rows, the slices' partials instead (only `add_zc_rms_norm` and the MoE
-    entry take them)."""
+    entry take them). late: features left unwritten, for `linear_leaving`."""
     assert x.dtype == weight.dtype, f"linear: x is {x.dtype}, weight is {weight.dtype}"
     m, k = x.shape
     n = weight.shape[0]
     cfg = cfg or config_for(n, k, weight.dtype)
+    assert late is None or (late_fits(weight, late) and m <= MAX_ROWS_PER_LAUNCH), f"linear: {late} of {tuple(weight.shape)} cannot be left out"
     defer = defer_sum and cfg.split > 1 and 0 < m <= DEFER_SUM_MAX_ROWS
     # deferred: the partials [SPLIT, M, N] are the output, written directly (no workspace, no counters)
     y = torch.empty((cfg.split, m, n) if defer else (m, n), dtype=torch.float32 if defer else x.dtype, device=x.device)
@@ -394,11 +387,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):  # deferred: one launch (m <= DEFER_SUM_MAX_ROWS)
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = (y, y) if defer or cfg.split == 1 else _launch_workspace(x.device, rows, n, cfg)
-        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)
+        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n) - (late.num_tiles(cfg.block_n) if late is not None else 0), cfg.split)
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
-            x.stride(0), weight.stride(0), y.stride(-2), *NO_LATE_TILES,
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=defer, DOT_F32=INTERPRET, SKIP_LATE=False,
+            x.stride(0), weight.stride(0), y.stride(-2), *(late.tiles(cfg.block_n) if late is not None else NO_LATE_TILES),
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=defer, DOT_F32=INTERPRET, SKIP_LATE=late is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return PendingSplitK(y, x.dtype) if defer else y
