@@ -186,34 +186,3 @@ def test_paged_attention_hand_case(device):
     batch = SeqBatch((0,), (1,), (1,), (-1,), (table,), torch.device(device))
     out = attention_triton.paged_attention(q, k_cache, v_cache, batch, 1, 1.0)
     torch.testing.assert_close(out, torch.full((1, 1, 16), 7.0, device=device), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_late_gate_tiles_in_the_partition_launch_have_the_bits_of_the_projection(device, dtype):
-    """A gated attention's decode q/k/v projection that leaves the gate's tiles ([query | gate] per head:
-    runs of D features, 2D apart) to the attention's partition launch (linear_triton.LateTiles): the
-    projection writes every other feature with linear's bits, the partition's extra programs write the
-    gate with them, and the attention's output is that of the gate computed in the projection."""
-    from freetoken.kernels import linear_triton
-    from freetoken.kernels.late_span import LateSpan
-
-    (hq, hkv), d, k = ((4, 2), 64, 80) if device == "cpu" else ((16, 2), 256, 2048)
-    num_rows, num_cached = [1, 1, 1], [5, 17, 64]
-    _, k_cache, v_cache, batch = setup(device, dtype, num_rows, num_cached, (hq, hkv), d, seed=4)
-    m, n = len(num_rows), 2 * hq * d + 2 * hkv * d
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
-    late = LateSpan(d, d, 2 * d, hq)
-    assert linear_triton.late_fits(weight, late)
-    want = linear_triton.linear(x, weight)
-    y, tiles = linear_triton.linear_leaving(x, weight, late)
-    q_gate, want_q_gate = y[:, : 2 * hq * d].view(m, hq, 2 * d), want[:, : 2 * hq * d].view(m, hq, 2 * d)
-    q_gate[..., d:] = float("nan")  # written by nobody yet: the partition launch must write all of it
-    assert torch.equal(q_gate[..., :d], want_q_gate[..., :d]) and torch.equal(y[:, 2 * hq * d :], want[:, 2 * hq * d :])
-    q = q_gate[..., :d].contiguous()
-    want_out = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, d**-0.5, want_q_gate[..., d:])
-    got_out = attention_triton.paged_attention(q, k_cache, v_cache, batch, BLOCK, d**-0.5, q_gate[..., d:], tiles)
-    assert torch.equal(y, want)
-    assert torch.equal(got_out, want_out)

@@ -33,13 +33,10 @@ built = {
                            dict(X_SPLIT=0, BLOCK_D=2048, PREFETCH=True, PDL=True), floats=("eps",)),
     "gdn_fused": ptx(gdn_triton._gdn_fused_kernel,
                      {"state_ptr": "*fp32", "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
-                      "o_ptr": "*bf16", "starts_ptr": "*i32", "counts_ptr": "*i32", "slots_ptr": "*i32"} | pf
-                     | {"late_x_ptr": "*bf16", "late_w_ptr": "*bf16", "late_y_ptr": "*bf16"},
+                      "o_ptr": "*bf16", "starts_ptr": "*i32", "counts_ptr": "*i32", "slots_ptr": "*i32"} | pf,
                      ("Dk", "Dv", "key_dim", "rep", "write_state", "write_output", "s_slot", "s_head", "s_k", "x_row", "a_row", "b_row",
-                      "o_row", "o_head", "pf_lines", "num_seqs", "late_m", "late_k", "late_first", "late_count", "late_period", "late_runs", "late_stride_xm",
-                      "late_stride_wn", "late_stride_ym", "late_row0", "late_programs"),
-                     dict(BLOCK_K=128, BLOCK_V=32, PREFETCH=True, LATE_BLOCK_M=16, LATE_BLOCK_N=64, LATE_BLOCK_K=128, LATE_DOT_F32=False,
-                          LATE=True, PDL=True), floats=("scale",)),  # the decode step's build, with the input projection's late tiles
+                      "o_row", "o_head", "pf_lines", "num_seqs"),
+                     dict(BLOCK_K=128, BLOCK_V=32, PREFETCH=True, PDL=True), floats=("scale",)),
 }
 json.dump(built, sys.stdout)
 """

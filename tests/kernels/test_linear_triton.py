@@ -98,55 +98,9 @@ def test_linear_conv_has_the_bits_of_linear_then_conv(device, dtype):
     want_windows = windows.clone()
     want = linear_triton.linear(x, weight)
     want[:, :c] = conv_triton.causal_conv1d(want_windows, want[:, :c], conv_weight, batch)
-    got, late = linear_triton.linear_conv(x, weight, windows, conv_weight, batch.slots)
-    assert late is None
+    got = linear_triton.linear_conv(x, weight, windows, conv_weight, batch.slots)
     assert torch.equal(got, want)
     assert torch.equal(windows, want_windows)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_late_tiles_in_the_recurrence_launch_have_the_bits_of_the_projection(device, dtype):
-    """A GDN decode step whose input projection leaves its output gate's tiles (z, the features after the
-    C convolved ones) to the recurrence's launch: the projection's launch writes every other feature as
-    before and none of those, and the recurrence's extra programs write them with the bits of the plain
-    linear; the recurrence's outputs and state are those of a launch without them."""
-    from freetoken.kernels import conv_triton, gdn_triton
-    from freetoken.kernels.batched import SeqBatch
-    from freetoken.kernels.late_span import LateSpan
-
-    # CPU: C = 2 * 2 * 16 + 4 * 32 = 192 and z = 128 features: whole tiles of 64 (block_n), as at the real shapes
-    hk, hv, dk, dv, k, m = (2, 4, 16, 32, 80, 3) if device == "cpu" else (16, 32, 128, 128, 2048, 19)
-    c = 2 * hk * dk + hv * dv
-    n = c + hv * dv + 2 * hv
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
-    windows = torch.randn(m + 2, 3, c, generator=gen).to(dtype).to(device)
-    conv_weight = torch.randn(c, 1, 4, generator=gen).to(dtype).to(device)[:, 0, :]
-    batch = SeqBatch(tuple(range(m)), (1,) * m, (0,) * m, tuple(range(2, m + 2)), (), torch.device(device))
-    late = LateSpan(c, hv * dv)
-    assert linear_triton.late_fits(weight, late, c)
-    assert not linear_triton.late_fits(weight, LateSpan(c - 64, 64), c) and not linear_triton.late_fits(weight, LateSpan(c + 1, 64), c)
-    want_windows = windows.clone()
-    want = linear_triton.linear(x, weight)
-    want[:, :c] = conv_triton.causal_conv1d(want_windows, want[:, :c], conv_weight, batch)
-
-    y, tiles = linear_triton.linear_conv(x, weight, windows, conv_weight, batch.slots, late)
-    z = slice(c, c + hv * dv)
-    y[:, z] = float("nan")  # written by nobody yet: the recurrence's launch must write all of it
-    assert torch.equal(y[:, : c], want[:, : c]) and torch.equal(y[:, z.stop :], want[:, z.stop :])
-    assert torch.equal(windows, want_windows)
-
-    a, b = y[:, z.stop : z.stop + hv], y[:, z.stop + hv :]
-    a_log = torch.randn(hv, generator=gen).to(device)
-    dt_bias = torch.randn(hv, generator=gen).to(device)
-    state = torch.randn(m + 2, hv, dk, dv, generator=gen).to(device) * 0.1
-    want_state = state.clone()
-    want_out = gdn_triton.gdn_fused(want_state, y[:, :c], a, b, a_log, dt_bias, hk, batch, out_dtype=dtype)
-    got_out = gdn_triton.gdn_fused(state, y[:, :c], a, b, a_log, dt_bias, hk, batch, out_dtype=dtype, late=tiles)
-    assert torch.equal(y, want)
-    assert torch.equal(got_out, want_out) and torch.equal(state, want_state)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -178,4 +132,3 @@ def test_deferred_sum_has_the_bits_of_linear_then_add_norm(device, dtype, rows):
     more = torch.randn(linear_triton.DEFER_SUM_MAX_ROWS + 1, k, generator=gen).to(dtype).to(device)
     assert isinstance(linear_triton.linear(more, weight, defer_sum=True), torch.Tensor)
     assert isinstance(linear_triton.linear(x[:, :32].contiguous(), weight[:, :32].contiguous(), defer_sum=True), torch.Tensor)  # K = 32: no split
-

@@ -40,18 +40,14 @@ EARLY_READS = {  # kernel -> the loads it may issue before its wait
     # written two launches back (or the logits, routed there, and the shared gate's)
     "moe_triton._down_kernel": ["tl.load(gate_ptr", "tl.load(block_expert_ptr", "tl.load(sorted_ids_ptr"],
     "moe_exit_triton._combine_add_norm_kernel": ["tl.load(w_ptr"],  # a weight (its branches: the test below)
-    # the q/k/v projection's late gate tiles (x written three launches back, a weight; features only the
-    # merge after reads), then host copies
-    "attention_triton._partition_kernel": ["linear_triton.run_late(", "tl.load(group_ptr", "tl.load(group_ptr", "tl.load(ctx_len_ptr", "tl.load(ctx_len_ptr", "tl.load(row_seq_ptr", "tl.load(table_ptr"],
+    "attention_triton._partition_kernel": ["tl.load(group_ptr", "tl.load(group_ptr", "tl.load(ctx_len_ptr", "tl.load(ctx_len_ptr", "tl.load(row_seq_ptr", "tl.load(table_ptr"],  # host copies
     "attention_triton._merge_kernel": ["tl.load(ctx_len_ptr"],
     # the rows' slots (host copies), the windows (this layer's, a step back), the conv weights
     "linear_triton._linear_conv_kernel": ["tl.load(slots_ptr", "tl.load(win + win_t", "tl.load(win + 2 * win_t", "tl.load(win,", "tl.load(cw,",
                                           "tl.load(cw + 1", "tl.load(cw + 2", "tl.load(cw + 3"],
     "conv_triton._conv_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr"],
-    # the input projection's late tiles (x written two launches back, a weight; the output features that
-    # launch left alone, read after this launch only; linear_triton.LateTiles), then the batch's rows and
-    # slots, the state tile (this layer's earlier launches), weights
-    "gdn_triton._gdn_fused_kernel": ["linear_triton.run_late(", "tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr"],
+    # the batch's rows and slots, the state tile (this layer's earlier launches), weights
+    "gdn_triton._gdn_fused_kernel": ["tl.load(starts_ptr", "tl.load(counts_ptr", "tl.load(slots_ptr", "tl.load(s_ptrs", "tl.load(a_log_ptr", "tl.load(dt_bias_ptr"],
 }
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from tests.kernels import sm90_build  # noqa: E402
 
 _BUILD = """
-import json, re, sys
+import json, sys
 from freetoken.kernels import linear_triton, moe_exit_triton as mx, moe_triton, norm_triton, rope_triton
 from tests.kernels import sm90_build
 
@@ -27,7 +27,6 @@ def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
     return sm90_build.ptx(kernel, signature, constants, options, divisible)
 
 m, lt = moe_triton, linear_triton
-LATE = ("late_first", "late_count", "late_period", "late_runs")  # the late tiles' spans (runtime ints)
 i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
 # The router logits' row stride is 16-aligned (moe_gate_triton), so specialised.
 built = {
@@ -66,40 +65,14 @@ built["norm_rope"] = ptx(rope_triton._norm_rope_kernel,
                          dict(ROT=64, D_PAD=256, PREFETCH=False, PDL=True), {"num_warps": rope_triton.NUM_WARPS}, unspecialised=("num_rows", "eps"))
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
-                      ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", *LATE),
-                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=False, DOT_F32=False, SKIP_LATE=False, PDL=True),
-                      {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", *LATE))
-cfg = lt.config_for(9216, 2048, __import__("torch").bfloat16)  # the 35B-A3B attention's q/k/v projection (its gate left late)
-built["linear_qkv"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*bf16", "lock_ptr": "*bf16"},
-                          ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym", *LATE),
-                          dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1, DEFER=False, DOT_F32=False, SKIP_LATE=True, PDL=True),
-                          {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", *LATE))
-from freetoken.kernels import attention_triton
-built["partition_late"] = ptx(attention_triton._partition_kernel,
-                              {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "gate_ptr", "o_ptr", "late_x_ptr", "late_w_ptr", "late_y_ptr")}
-                              | {n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")} | {n: "*i32" for n in ("group_ptr", "row_seq_ptr", "ctx_len_ptr", "table_ptr", "count_ptr")}
-                              | {"scale": "fp32"},
-                              ("G", "D", "block_size", "num_parts", "row0", "q_row", "q_head", "kv_slot", "kv_head", "table_row", "gate_row", "gate_head", "o_row", "o_head",
-                               "late_m", "late_k", *LATE, "late_stride_xm", "late_stride_wn", "late_stride_ym", "late_row0", "late_programs"),
-                              dict(G_PAD=16, D_PAD=256, PARTITION=attention_triton.PARTITION, DOT_F32=False, MERGE=False, HAS_GATE=True,
-                                   LATE_BLOCK_M=lt.BLOCK_M, LATE_BLOCK_N=cfg.block_n, LATE_BLOCK_K=cfg.block_k, LATE_DOT_F32=False, LATE=True, PDL=True),
-                              {"num_warps": attention_triton.NUM_WARPS}, unspecialised=("row0", "late_m", *LATE, "late_row0", "late_programs", "scale"))
+                      ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
+                      dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=False, DOT_F32=False, PDL=True),
+                      {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 cfg = lt.config_for(12352, 2048, __import__("torch").bfloat16)  # the 35B-A3B GDN input projection, its convolution in the launch
 built["linear_conv"] = ptx(lt._linear_conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "win_ptr": "*bf16", "conv_w_ptr": "*bf16", "slots_ptr": "*i32"},
-                           ("M", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "win_slot", "win_t", "conv_wc", *LATE),
-                           dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=False, SKIP_LATE=True, PDL=True),
-                           {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", "conv_wc", *LATE))
-# The GDN recurrence with the input projection's late tiles (linear_triton.LateTiles): its tile dots are the projection's wgmma.
-from freetoken.kernels import gdn_triton
-built["gdn_late"] = ptx(gdn_triton._gdn_fused_kernel,
-                        {"state_ptr": "*fp32", "x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "o_ptr": "*bf16",
-                         "starts_ptr": "*i32", "counts_ptr": "*i32", "slots_ptr": "*i32", "pf_ptr": "*u8", "late_x_ptr": "*bf16", "late_w_ptr": "*bf16", "late_y_ptr": "*bf16",
-                         "scale": "fp32"},
-                        ("Dk", "Dv", "key_dim", "rep", "write_state", "write_output", "s_slot", "s_head", "s_k", "x_row", "a_row", "b_row", "o_row", "o_head",
-                         "pf_lines", "num_seqs", "late_m", "late_k", *LATE, "late_stride_xm", "late_stride_wn", "late_stride_ym", "late_row0", "late_programs"),
-                        dict(BLOCK_K=128, BLOCK_V=gdn_triton.BLOCK_V, PREFETCH=True, LATE_BLOCK_M=lt.BLOCK_M, LATE_BLOCK_N=cfg.block_n, LATE_BLOCK_K=cfg.block_k,
-                             LATE_DOT_F32=False, LATE=True, PDL=True),
-                        {"num_warps": gdn_triton.NUM_WARPS}, unspecialised=("write_state", "write_output", "num_seqs", "late_m", *LATE, "late_row0", "late_programs", "scale"))
+                           ("M", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "win_slot", "win_t", "conv_wc"),
+                           dict(BLOCK_M=lt.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=False, PDL=True),
+                           {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, unspecialised=("M", "conv_wc"))
 order = {name: [built[name].find(op) for op in ops] for name, ops in
          (("gate_up", ("griddepcontrol.wait", "wgmma.mma_async", ".gpu.release.add")),
           ("down", ("griddepcontrol.launch_dependents", ".gpu.acquire", "wgmma.mma_async", "griddepcontrol.wait")))}
@@ -107,8 +80,7 @@ p = built["gate_up"]
 routing = p[p.find("griddepcontrol.launch_dependents"):p.find("cp.async")]  # from the wait to the first weight load
 json.dump({"dots": {name: [p.count("wgmma.mma_async"), p.count("mma.sync")] for name, p in built.items()}, "order": order,
            "bf16_fma": {name: p.count("fma.rn.bf16") for name, p in built.items()},
-           "routing_barriers": routing.count("bar.sync"), "routing_redux": routing.count("redux.sync"),
-           "wgmma_forms": {name: sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", built[name]))) for name in ("linear_conv", "gdn_late", "linear_qkv", "partition_late")}}, sys.stdout)
+           "routing_barriers": routing.count("bar.sync"), "routing_redux": routing.count("redux.sync")}, sys.stdout)
 """
 
 
@@ -117,23 +89,10 @@ def counts():
     return json.loads(sm90_build.run(_BUILD))
 
 
-@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv", "gdn_late"])
+@pytest.mark.parametrize("kernel", ["gate_up", "down", "linear", "linear_conv"])
 def test_decode_gemm_dots_are_wgmma_in_the_sm90_build(counts, kernel):
     wgmma, mma_sync = counts["dots"][kernel]
     assert wgmma > 0 and mma_sync == 0, f"{kernel}: {wgmma} wgmma, {mma_sync} mma.sync"
-
-
-def test_the_late_tiles_use_the_input_projections_dot_in_the_sm90_build(counts):
-    """linear_triton.LateTiles: the GDN recurrence's launch computes the input projection's late tiles,
-    and the attention's partition launch the q/k/v projection's gate tiles, with the wgmma forms the
-    projection's own launch uses (the same tile shapes, so the same bits). On the GPU the tests compare
-    the bits themselves."""
-    forms = counts["wgmma_forms"]
-    assert forms["linear_conv"] and forms["gdn_late"] == forms["linear_conv"], forms
-    # The partition launch runs 8 warps: two warpgroups split the tile's 16 rows, m64n8k16 each, the
-    # same M, K and types as the projection's m64n16k16 (each output is the same chain of k16 steps).
-    same_steps = {form.replace("n16k16", "n8k16") for form in forms["linear_qkv"]}
-    assert forms["linear_qkv"] and set(forms["partition_late"]) <= set(forms["linear_qkv"]) | same_steps, forms
 
 
 def test_down_waits_for_its_row_not_the_gate_up_grid_in_the_sm90_build(counts):

@@ -28,8 +28,7 @@ from freetoken.kernels.rope_ref import apply_rope
 
 if TYPE_CHECKING:
     from freetoken.kernels.l2_prefetch import Span
-    from freetoken.kernels.late_span import LateSpan
-    from freetoken.kernels.linear_triton import LateTiles, PendingSplitK
+    from freetoken.kernels.linear_triton import PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
     from freetoken.kernels.moe_triton import RowBlocks
 
@@ -74,33 +73,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, defer_sum: bool = False) -> "t
     return linear_ref.linear(x, weight)
 
 
-def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor, slots: torch.Tensor, late: "LateSpan | None" = None) -> "tuple[torch.Tensor, LateTiles | None] | None":
+def linear_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, conv_weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
     """A GDN decode step's input projection with its convolution (Triton only): x [M, K] (one row per
-    sequence) @ weight [N, K]^T -> ([M, N] whose first C features are silu(conv) over the windows
+    sequence) @ weight [N, K]^T -> [M, N] whose first C features are silu(conv) over the windows
     [slots, 3, C] of `slots` [M] (advanced in place; conv_weight [C, 4]), as `linear` then
-    `causal_conv1d_batched` give them; None, or the LateTiles of the features `late` (the output gate's)
-    left for the recurrence's launch to compute, where linear_triton.LATE_GDN_GATE is on and they fit).
-    None where the fused launch does not apply (call those two)."""
+    `causal_conv1d_batched` give them. None where the fused launch does not apply (call those two)."""
     from freetoken.kernels import linear_triton
 
-    if not linear_triton.conv_fusable(x, weight, windows, conv_weight):
-        return None
-    leave = late is not None and linear_triton.LATE_GDN_GATE and linear_triton.late_fits(weight, late, conv_weight.shape[0])
-    return linear_triton.linear_conv(x, weight, windows, conv_weight, slots, late if leave else None)
-
-
-def linear_leaving_gate(x: torch.Tensor, weight: torch.Tensor, late: "LateSpan") -> "tuple[torch.Tensor, LateTiles | None]":
-    """A gated attention's q/k/v projection x [M, K] @ weight [N, K]^T -> ([M, N], the LateTiles of
-    `late`, the gate's features, left for the attention's partition launch to compute), where
-    linear_triton.LATE_ATTENTION_GATE is on, on the Triton path, at most one row block (decode and
-    verify at small batch) and where they fit; else (linear(x, weight), None)."""
-    if use_triton(x):
-        from freetoken.kernels import attention_triton, linear_triton
-
-        if (linear_triton.LATE_ATTENTION_GATE and not attention_triton.MERGE_IN_PARTITION_MAX_GROUPS and x.dtype == weight.dtype
-                and 0 < x.shape[0] <= linear_triton.BLOCK_M and linear_triton.late_fits(weight, late)):
-            return linear_triton.linear_leaving(x, weight, late)
-    return linear(x, weight), None
+    return linear_triton.linear_conv(x, weight, windows, conv_weight, slots) if linear_triton.conv_fusable(x, weight, windows, conv_weight) else None
 
 
 def l2_span(weight: torch.Tensor | None, x: torch.Tensor, site: str) -> "Span | None":
@@ -195,15 +175,13 @@ def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq
     return q
 
 
-def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float, gate: torch.Tensor | None = None, late: "LateTiles | None" = None) -> torch.Tensor:
+def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: SeqBatch, block_size: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row causally in its sequence -> [N, Hq, D],
-    times sigmoid(gate [N, Hq, D]) when a gate is given. late: the gate's tiles that the projection left
-    to this call (`linear_leaving_gate`; Triton only)."""
+    times sigmoid(gate [N, Hq, D]) when a gate is given."""
     if use_triton(q):
         from freetoken.kernels import attention_triton
 
-        return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale, gate, late)
-    assert late is None, "late gate tiles on the Triton path only"
+        return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale, gate)
     out = batched.paged_attention_batched(q, k_cache, v_cache, batch, block_size, scale)
     return out if gate is None else out * torch.sigmoid(gate)
 
@@ -217,13 +195,12 @@ def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: tor
     return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
 
 
-def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None, late: "LateTiles | None" = None):
+def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None):
     """The gated delta rule over the state pool [slots, Hv, Dk, Dv] with its input preparation fused in
-    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s;
-    late: the input projection's tiles that `linear_conv` left to this launch."""
+    (Triton only): conv_out [N, C], a, b [N, Hv]; see gdn_triton.gdn_fused. prefetch: `l2_span`'s."""
     from freetoken.kernels import gdn_triton
 
-    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch, late)
+    return gdn_triton.gdn_fused(state, conv_out, a, b, a_log, dt_bias, num_k_heads, batch, write_state, compute_output, out_dtype, prefetch)
 
 
 def gdn_recurrent_batched(state, q, k, v, g, beta, batch: SeqBatch, write_state: bool = True, compute_output: bool = True):

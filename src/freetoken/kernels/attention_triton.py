@@ -68,19 +68,9 @@ def _partition_kernel(
     q_row, q_head, kv_slot, kv_head, table_row,
     # MERGE: the merge of the (group, KV head) by its last program (arrival counters), into o (and the gate)
     count_ptr, gate_ptr, o_ptr, gate_row, gate_head, o_row, o_head,
-    # LATE: the q/k/v projection's gate tiles left to this launch (linear_triton.LateTiles), by the
-    # programs from grid row late_row0 on
-    late_x_ptr, late_w_ptr, late_y_ptr, late_m, late_k, late_first, late_count, late_period, late_runs, late_stride_xm, late_stride_wn, late_stride_ym,
-    late_row0, late_programs,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, PARTITION: tl.constexpr, DOT_F32: tl.constexpr,
-    MERGE: tl.constexpr, HAS_GATE: tl.constexpr,
-    LATE_BLOCK_M: tl.constexpr, LATE_BLOCK_N: tl.constexpr, LATE_BLOCK_K: tl.constexpr, LATE_DOT_F32: tl.constexpr, LATE: tl.constexpr, PDL: tl.constexpr,
+    MERGE: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
-    if LATE:  # x was written three launches back, the weight never, so these programs never wait (pdl.py)
-        if tl.program_id(0) >= late_row0:
-            linear_triton.run_late(late_row0, late_programs, late_x_ptr, late_w_ptr, late_y_ptr, late_m, late_k, late_first, late_count, late_period, late_runs,
-                                   late_stride_xm, late_stride_wn, late_stride_ym, LATE_BLOCK_M, LATE_BLOCK_N, LATE_BLOCK_K, LATE_DOT_F32, PDL)
-            return
     g = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
@@ -213,16 +203,11 @@ def paged_attention(
     block_size: int,
     scale: float,
     gate: torch.Tensor | None = None,  # [N, Hq, D]: the output is multiplied by sigmoid(gate)
-    late: linear_triton.LateTiles | None = None,
 ) -> torch.Tensor:
-    """Every row of q attends causally within its sequence (batch.context_lens) -> [N, Hq, D] in q.dtype.
-    late: the projection's tiles (the gate's) that its launch left out, computed by extra programs of
-    the partition launch, which the merge launch (reading the gate) follows; the merge must be a
-    launch of its own (MERGE_IN_PARTITION_MAX_GROUPS)."""
+    """Every row of q attends causally within its sequence (batch.context_lens) -> [N, Hq, D] in q.dtype."""
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = q if q.stride(-1) == 1 else q.contiguous()
     if gate is not None and gate.stride(-1) != 1:
-        assert late is None, "paged_attention: a late gate must be read in place"
         gate = gate.contiguous()
     n, num_q_heads, d = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -245,17 +230,13 @@ def paged_attention(
     g = gate if gate is not None else q
     d_pad = max(16, triton.next_power_of_2(d))
     merge_here = len(sizes) <= MERGE_IN_PARTITION_MAX_GROUPS
-    assert late is None or not merge_here, "paged_attention: the late gate tiles need the merge's own launch"
     counters = linear_triton.arrival_counters(q.device, len(sizes) * num_kv_heads) if merge_here else m_ws  # an unread stand-in
     for g0, g1, r0, r1 in _launches(sizes, rows_per_launch):
-        # the late tiles by the first launch's programs past its row groups
-        late_rows, late_args = linear_triton.late_launch_args(late if g0 == 0 else None, num_kv_heads * num_parts, g1 - g0, q)
-        _partition_kernel[(g1 - g0 + late_rows, num_kv_heads, num_parts)](
+        _partition_kernel[(g1 - g0, num_kv_heads, num_parts)](
             q, k_cache, v_cache, m_ws, l_ws, acc_ws, groups[g0:], batch.row_seq, batch.context_lens, table,
             group, d, block_size, scale, num_parts, r0,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             counters, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-            **late_args,
             G_PAD=g_pad, D_PAD=d_pad, PARTITION=PARTITION, DOT_F32=INTERPRET, MERGE=merge_here, HAS_GATE=gate is not None,
             num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton, l2_prefetch, linear_triton, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
+from freetoken.kernels import compat_triton, l2_prefetch, pdl  # noqa: F401  (compat_triton: interpreter fix-up)
 from freetoken.kernels.batched import SeqBatch
 
 # Value columns a program (its state tile is [Dk, BLOCK_V] fp32) and the fused kernel's warps. H200, 35B-A3B
@@ -109,18 +109,8 @@ def _gdn_fused_kernel(
     Dk, Dv, key_dim, rep, scale, write_state, write_output,
     s_slot, s_head, s_k, x_row, a_row, b_row, o_row, o_head,
     pf_ptr, pf_lines, num_seqs,
-    # LATE: the input projection's tiles left to this launch (linear_triton.LateTiles), by the programs
-    # from grid row late_row0 on
-    late_x_ptr, late_w_ptr, late_y_ptr, late_m, late_k, late_first, late_count, late_period, late_runs, late_stride_xm, late_stride_wn, late_stride_ym,
-    late_row0, late_programs,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr,
-    LATE_BLOCK_M: tl.constexpr, LATE_BLOCK_N: tl.constexpr, LATE_BLOCK_K: tl.constexpr, LATE_DOT_F32: tl.constexpr, LATE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    if LATE:  # x and the weight were written two launches back or never, so these programs never wait (pdl.py)
-        if tl.program_id(0) >= late_row0:
-            linear_triton.run_late(late_row0, late_programs, late_x_ptr, late_w_ptr, late_y_ptr, late_m, late_k, late_first, late_count, late_period, late_runs,
-                                   late_stride_xm, late_stride_wn, late_stride_ym, LATE_BLOCK_M, LATE_BLOCK_N, LATE_BLOCK_K, LATE_DOT_F32, PDL)
-            return
     if PREFETCH:  # the programs past the sequences' prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_seqs:
             l2_prefetch.run(pf_ptr, pf_lines, num_seqs, PDL)
@@ -181,15 +171,12 @@ def gdn_fused(
     compute_output: bool = True,
     out_dtype: torch.dtype = torch.float32,
     prefetch: l2_prefetch.Span | None = None,
-    late: linear_triton.LateTiles | None = None,
 ) -> torch.Tensor | None:
     """The gated delta rule with its input preparation fused in (l2-norm and scale of q and k, value
     head j reading key head j // (Hv / Hk), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias))
     -> outputs [N, Hv, Dv] in out_dtype unless compute_output is False. One kernel serves decode,
     verify (write_state=False) and the commit replay (compute_output=False). prefetch: queued by
-    extra programs of the launch (l2_prefetch). late: the input projection's tiles that its launch,
-    the one just before, left out (`linear_triton.linear_conv`), computed by more extra programs
-    that stream them while the recurrence waits on its loads."""
+    extra programs of the launch (l2_prefetch)."""
     assert state.dtype == torch.float32 and state.stride(-1) == 1
     conv_out = _inner_contiguous(conv_out)
     a, b = _inner_contiguous(a), _inner_contiguous(b)
@@ -202,13 +189,12 @@ def gdn_fused(
     block_v = min(BLOCK_V, triton.next_power_of_2(dv))
     v_tiles = triton.cdiv(dv, block_v)
     extra, pf_args = l2_prefetch.launch_args(prefetch, num_heads * v_tiles, state)
-    late_rows, late_args = linear_triton.late_launch_args(late, num_heads * v_tiles, batch.num_seqs + extra, state)
-    _gdn_fused_kernel[(batch.num_seqs + extra + late_rows, num_heads, v_tiles)](
+    _gdn_fused_kernel[(batch.num_seqs + extra, num_heads, v_tiles)](
         state, conv_out, a, b, a_log, dt_bias, o, batch.starts, batch.counts, batch.slots,
         dk, dv, num_k_heads * dk, num_heads // num_k_heads, dk**-0.5, int(write_state), int(compute_output),
         state.stride(0), state.stride(1), state.stride(2), conv_out.stride(0), a.stride(0), b.stride(0),
         o.stride(0) if out is not None else 0, o.stride(1) if out is not None else 0,
-        num_seqs=batch.num_seqs, **pf_args, **late_args,
+        num_seqs=batch.num_seqs, **pf_args,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

@@ -32,7 +32,6 @@ import triton.language as tl
 
 from freetoken.kernels import pdl
 from freetoken.kernels.compat_triton import INTERPRET
-from freetoken.kernels.late_span import LateSpan
 
 BLOCK_M = 16
 MAX_ROWS_PER_LAUNCH = 1024
@@ -44,13 +43,6 @@ BLOCK_K = 128
 # A Gated DeltaNet decode step runs its convolution in the input projection's launch (`linear_conv`),
 # not a launch of its own.
 CONV_IN_PROJECTION = True
-# At decode the projections of output gates, needed only after a latency-bound kernel or two, are left
-# by their projection's launch to the latency-bound launch after it, whose extra programs stream them
-# while its own programs wait on latency (`LateSpan`): a GDN layer's z (input projection -> the
-# recurrence's launch) and a gated attention's gate (q/k/v projection -> the partition launch).
-# Settings for bench/variants.py; off until timed on a GPU (the CPU tests and the sm90 build check them).
-LATE_GDN_GATE = False
-LATE_ATTENTION_GATE = False
 # Up to this many rows a split-K linear asked to (`linear(defer_sum=True)`) leaves its slices' sum to
 # the next residual add + norm, which loads the row anyway (`PendingSplitK`); 0: never.
 DEFER_SUM_MAX_ROWS = 64
@@ -71,49 +63,6 @@ class PendingSplitK(NamedTuple):
         return norm_triton.add_zc_rms_norm(self, residual, weight, eps, prefetch)
 
 
-NO_LATE_TILES = (0, 0, 1, 0)  # (first, count, period, runs) in tiles: nothing left out (kept_tile(p) = p; SKIP_LATE off)
-
-
-class LateTiles(NamedTuple):
-    """A decode projection's `span` of y = x W^T that its own launch left out (`linear_conv`,
-    `linear_leaving`), for extra programs of a later launch to compute (`late_tile`): each tile as the
-    projection's launch computes it (same configuration), so the same bits. Those programs read x and
-    the weight before their wait (pdl.py): the later launch must follow the projection's with no launch
-    between that writes x or reads these features."""
-
-    x: torch.Tensor  # [M, K]
-    weight: torch.Tensor  # [N, K]
-    y: torch.Tensor  # [M, N] the projection's output; the span's features are written by the later launch
-    span: LateSpan
-
-    def num_programs(self) -> int:
-        """Programs that compute the span: one per (row block, feature tile)."""
-        block_n = config_for(*self.weight.shape, self.weight.dtype).block_n
-        return triton.cdiv(self.x.shape[0], BLOCK_M) * self.span.num_tiles(block_n)
-
-    def kernel_args(self) -> dict:
-        """The late_* arguments of a kernel that runs `late_tile` (LATE=True)."""
-        cfg = config_for(*self.weight.shape, self.weight.dtype)
-        first, count, period, runs = self.span.tiles(cfg.block_n)
-        return {"late_x_ptr": self.x, "late_w_ptr": self.weight, "late_y_ptr": self.y, "late_m": self.x.shape[0], "late_k": self.x.shape[1],
-                "late_first": first, "late_count": count, "late_period": period, "late_runs": runs,
-                "late_stride_xm": self.x.stride(0), "late_stride_wn": self.weight.stride(0), "late_stride_ym": self.y.stride(0),
-                "LATE_BLOCK_M": BLOCK_M, "LATE_BLOCK_N": cfg.block_n, "LATE_BLOCK_K": cfg.block_k, "LATE_DOT_F32": INTERPRET, "LATE": True}
-
-
-def late_launch_args(late: LateTiles | None, programs_per_row: int, row0: int, fallback: torch.Tensor) -> tuple[int, dict]:
-    """(rows to append to a launch's grid axis 0 at row0, whose other axes hold programs_per_row
-    programs; the kernel's late_* arguments, late_row0 and late_programs) of optional late tiles."""
-    if late is None:
-        first, count, period, runs = NO_LATE_TILES
-        return 0, {"late_x_ptr": fallback, "late_w_ptr": fallback, "late_y_ptr": fallback, "late_m": 0, "late_k": 0,
-                   "late_first": first, "late_count": count, "late_period": period, "late_runs": runs,
-                   "late_stride_xm": 0, "late_stride_wn": 0, "late_stride_ym": 0, "late_row0": row0, "late_programs": 0,
-                   "LATE_BLOCK_M": BLOCK_M, "LATE_BLOCK_N": 16, "LATE_BLOCK_K": 16, "LATE_DOT_F32": INTERPRET, "LATE": False}
-    programs = late.num_programs()
-    return triton.cdiv(programs, programs_per_row), late.kernel_args() | {"late_row0": row0, "late_programs": programs}
-
-
 @dataclass(frozen=True)
 class LinearConfig:
     block_n: int
@@ -124,14 +73,10 @@ class LinearConfig:
 
 
 @triton.jit
-def _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKIP_LATE: tl.constexpr):
-    """This program's rows [BLOCK_M] (axis 0) and features [BLOCK_N] (axis 1: its feature tile, or with
-    SKIP_LATE its kept tile, `kept_tile` of the late tiles left out), and their in-range masks."""
+def _tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows [BLOCK_M] (axis 0) and features [BLOCK_N] (axis 1), and their in-range masks."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if SKIP_LATE:
-        cols = kept_tile(tl.program_id(1), late_first, late_count, late_period, late_runs) * BLOCK_N + tl.arange(0, BLOCK_N)
-    else:
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, cols, rows < M, cols < N
 
 
@@ -153,59 +98,16 @@ def _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, s
     return acc
 
 
-@triton.jit
-def kept_tile(p, first, count, period, runs):
-    """The feature tile of program p (grid axis 1) of a projection's launch that leaves out `runs` runs of
-    `count` tiles, the first at tile `first`, `period` tiles apart (LateSpan.tiles): the tiles kept, in
-    order. NO_LATE_TILES gives p."""
-    kept = period - count  # kept tiles after each run, up to the next
-    q = p - first
-    per = tl.maximum(kept, 1)
-    in_runs = first + (q // per) * period + count + q % per
-    after_runs = first + runs * period + (q - runs * kept)
-    return tl.where(q < 0, p, tl.where(q < runs * kept, in_runs, after_runs))
-
-
-@triton.jit
-def late_tile(x_ptr, w_ptr, y_ptr, index, M, K, first, count, period, runs, stride_xm, stride_wn, stride_ym,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program `index` of a LateTiles' programs (span in tiles: first, count, period, runs): row block
-    index // (runs * count), the span's tile index % (runs * count); its y^T tile, as the projection's
-    launch computes and stores that tile."""
-    span_tiles = runs * count
-    j = index % span_tiles
-    rows = (index // span_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (first + (j // count) * period + j % count) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols >= 0  # whole tiles inside N (LateSpan.fits)
-    acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, 0, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-    tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
-
-
-@triton.jit
-def run_late(late_row0, late_programs, x_ptr, w_ptr, y_ptr, M, K, first, count, period, runs, stride_xm, stride_wn, stride_ym,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
-    """The body of a late-tile program of another kernel's launch (grid axis 0 at or past late_row0,
-    numbered over the other axes): it lets the next kernel launch, never waits (pdl.py), and computes
-    its LateTiles tile, if any."""
-    pdl.release(PDL)
-    index = ((tl.program_id(0) - late_row0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    if index < late_programs:
-        late_tile(x_ptr, w_ptr, y_ptr, index, M, K, first, count, period, runs, stride_xm, stride_wn, stride_ym, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    late_first, late_count, late_period, late_runs,  # feature tiles left to a later launch (LateTiles; SPLIT 1 only)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP_LATE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_s = tl.program_id(2)
-    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M, BLOCK_N, SKIP_LATE)
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     k_begin = pid_s * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = _tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_begin, k_end, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
@@ -235,10 +137,9 @@ def _linear_conv_kernel(
     x_ptr, w_ptr, y_ptr, win_ptr, conv_w_ptr, slots_ptr,
     M, N, K, C,
     stride_xm, stride_wn, stride_ym, win_slot, win_t, conv_wc,
-    late_first, late_count, late_period, late_runs,  # feature tiles left to a later launch (LateTiles)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, SKIP_LATE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, late_first, late_count, late_period, late_runs, BLOCK_M, BLOCK_N, SKIP_LATE)
+    rows, cols, row_ok, col_ok = _tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     conv = (cols < C)[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M] the convolved features
     # The rows' slots (host copies), the conv weights and the windows (this layer's, written a step
     # back): read before the wait, and the window's three taps summed while the previous kernel runs.
@@ -321,61 +222,39 @@ def linear_conv(
     windows: torch.Tensor,  # [slots, 3, C] the convolution's window pool (raw inputs), advanced in place
     conv_weight: torch.Tensor,  # [C, 4]
     slots: torch.Tensor,  # [M] int32, each row's window slot
-    late: LateSpan | None = None,  # features past C to leave to a later launch
-) -> tuple[torch.Tensor, LateTiles | None]:  # [M, N] x.dtype, and the tiles left out
+) -> torch.Tensor:  # [M, N] x.dtype
     """x @ weight^T with the decode step of the causal convolution on its first C features: those are
     silu(conv) as `conv_triton.causal_conv1d` gives them (same taps, same order; the window shifts
     in), the rest the plain linear's. Each feature tile is the plain linear's tile (same
-    configuration), so the bits of both results are the unfused ops'. Requires `conv_fusable`, and
-    `late_fits(weight, late, C)` for a late span, which the returned LateTiles computes in a later launch."""
+    configuration), so the bits of both results are the unfused ops'. Requires `conv_fusable`."""
     m, k = x.shape
     n = weight.shape[0]
     c = conv_weight.shape[0]
     assert windows.shape[-1] == c and windows.stride(-1) == 1 and c <= n, f"linear_conv: windows {tuple(windows.shape)} for {c} of {n} features"
-    assert late is None or late_fits(weight, late, c), f"linear_conv: {late} cannot be left to a later launch"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y, None
+        return y
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     conv_weight = conv_weight if conv_weight.stride(1) == 1 else conv_weight.contiguous()
     cfg = config_for(n, k, weight.dtype)
-    tiles = late.tiles(cfg.block_n) if late is not None else NO_LATE_TILES
-    _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n) - (late.num_tiles(cfg.block_n) if late is not None else 0))](
+    _linear_conv_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n))](
         x, weight, y, windows, conv_weight, slots, m, n, k, c,
-        x.stride(0), weight.stride(0), y.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0), *tiles,
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET, SKIP_LATE=late is not None,
+        x.stride(0), weight.stride(0), y.stride(0), windows.stride(0), windows.stride(1), conv_weight.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
     )
-    return y, LateTiles(x, weight, y, late) if late is not None else None
+    return y
 
 
-def late_fits(weight: torch.Tensor, late: LateSpan, after: int = 0) -> bool:
-    """Whether a decode projection of weight [N, K] may leave `late` to a later launch: whole feature
-    tiles of its configuration, inside N, none before feature `after`, and no K split."""
-    cfg = config_for(*weight.shape, weight.dtype)
-    return cfg.split == 1 and late.fits(weight.shape[0], cfg.block_n, after)
-
-
-def linear_leaving(x: torch.Tensor, weight: torch.Tensor, late: LateSpan) -> tuple[torch.Tensor, LateTiles]:
-    """x [M, K] @ weight [N, K]^T -> ([M, N] in x.dtype without `late`'s features, their LateTiles for a
-    later launch): each computed tile as `linear` computes it. Requires `late_fits(weight, late)` and at
-    most MAX_ROWS_PER_LAUNCH rows."""
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    y = linear(x, weight, late=late)
-    return y, LateTiles(x, weight, y, late)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None, defer_sum: bool = False, late: LateSpan | None = None) -> torch.Tensor | PendingSplitK:
+def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = None, defer_sum: bool = False) -> torch.Tensor | PendingSplitK:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, fp32 accumulation. defer_sum: with a K split and
     at most DEFER_SUM_MAX_ROWS rows, the slices' partials instead (only `add_zc_rms_norm` and the MoE
-    entry take them). late: features left unwritten, for `linear_leaving`."""
+    entry take them)."""
     assert x.dtype == weight.dtype, f"linear: x is {x.dtype}, weight is {weight.dtype}"
     m, k = x.shape
     n = weight.shape[0]
     cfg = cfg or config_for(n, k, weight.dtype)
-    assert late is None or (late_fits(weight, late) and m <= MAX_ROWS_PER_LAUNCH), f"linear: {late} of {tuple(weight.shape)} cannot be left out"
     defer = defer_sum and cfg.split > 1 and 0 < m <= DEFER_SUM_MAX_ROWS
     # deferred: the partials [SPLIT, M, N] are the output, written directly (no workspace, no counters)
     y = torch.empty((cfg.split, m, n) if defer else (m, n), dtype=torch.float32 if defer else x.dtype, device=x.device)
@@ -387,11 +266,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, cfg: LinearConfig | None = Non
     for r0 in range(0, m, MAX_ROWS_PER_LAUNCH):  # deferred: one launch (m <= DEFER_SUM_MAX_ROWS)
         rows = min(MAX_ROWS_PER_LAUNCH, m - r0)
         part, locks = (y, y) if defer or cfg.split == 1 else _launch_workspace(x.device, rows, n, cfg)
-        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n) - (late.num_tiles(cfg.block_n) if late is not None else 0), cfg.split)
+        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, cfg.block_n), cfg.split)
         _linear_kernel[grid](
             x[r0:], weight, y[r0:], part, locks, rows, n, k, k_per_split,
-            x.stride(0), weight.stride(0), y.stride(-2), *(late.tiles(cfg.block_n) if late is not None else NO_LATE_TILES),
-            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=defer, DOT_F32=INTERPRET, SKIP_LATE=late is not None,
+            x.stride(0), weight.stride(0), y.stride(-2),
+            BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, DEFER=defer, DOT_F32=INTERPRET,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(),
         )
     return PendingSplitK(y, x.dtype) if defer else y

@@ -18,10 +18,7 @@ safe (the MoE exit after down reads none of gate_up's routing, moe_exit_triton).
 dependent chains that would otherwise start after the wait: the MoE entry's gate rows, the MoE
 down's row blocks, the GDN state tile, the attention's
 metadata down to each key's cache slot, the convolution's row metadata (tests/kernels/test_pdl.py,
-EARLY_READS, lists each kernel's early loads). The extra programs that compute a projection's late
-tiles (linear_triton.LateTiles, in the GDN recurrence's and the attention's partition launch) never
-wait: they read the projection's input, written two or more launches back, and its weight, and write
-the features the projection left, which no launch before the next reads. Streaming weights ahead of the wait was measured on
+EARLY_READS, lists each kernel's early loads). Streaming weights ahead of the wait was measured on
 the H200 and taken out, as it competes with the previous kernel's stream: L2 bulk prefetches
 (35B-A3B step 2.73 -> 2.86 ms with the MoE down weights; 9B 221 -> 211 tok/s with the start of each
 linear's rows) and each linear's first weight tile (9B 221.3 -> 210.8 tok/s across runs, no gain at

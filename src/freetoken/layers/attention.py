@@ -17,7 +17,6 @@ from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.errors import FreetokenError
 from freetoken.forward_context import ForwardContext
-from freetoken.kernels.late_span import LateSpan
 from freetoken.kernels.rope_ref import rope_inv_freq
 from freetoken.layers.basic import ZeroCenteredRMSNorm
 from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -59,18 +58,14 @@ class GatedAttention(nn.Module):
             self.qkv_weight = merge_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def _project(self, x: torch.Tensor):
-        """x [N, H] -> q_gate [N, Hq, 2D], k, v [N, Hkv, D], late: the gate's tiles left to the attention's
-        launch (`kernels.linear_leaving_gate`), or None."""
+        """x [N, H] -> q_gate [N, Hq, 2D], k, v [N, Hkv, D]."""
         n = x.shape[0]
-        late = None
         if self.qkv_weight is None:
             q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
-            d = self.head_dim
-            y, late = kernels.linear_leaving_gate(x, self.qkv_weight, LateSpan(d, d, 2 * d, self.num_heads))
-            q_gate, k, v = torch.split(y, [self.qkv_weight.shape[0] - 2 * kv, kv, kv], dim=-1)
-        return q_gate.view(n, self.num_heads, 2 * self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim), late
+            q_gate, k, v = torch.split(kernels.linear(x, self.qkv_weight), [self.qkv_weight.shape[0] - 2 * kv, kv, kv], dim=-1)
+        return q_gate.view(n, self.num_heads, 2 * self.head_dim), k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
 
     @property
     def input_weight(self) -> torch.Tensor | None:
@@ -88,10 +83,10 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
         """defer_sum: o_proj's output may be its split-K partials, for the decoder's next add + norm."""
         n = x.shape[0]
-        q_gate, k, v, late = self._project(x)
+        q_gate, k, v = self._project(x)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
         q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(x.device), k_cache, v_cache, ctx.slot_mapping,
                                     prefetch=kernels.l2_span(self.o_proj.weight, x, "out_proj"))
-        out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale, gate, late)
+        out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), defer_sum=defer_sum)

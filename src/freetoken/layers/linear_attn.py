@@ -36,7 +36,6 @@ from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.distributed.sharding import ShardSpec
 from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
-from freetoken.kernels.late_span import LateSpan
 from freetoken.layers.basic import GatedRMSNorm, _empty
 from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -162,33 +161,29 @@ class GatedDeltaNet(nn.Module):
 
     def _project_conv(self, x: torch.Tensor, windows: torch.Tensor, batch: kernels.SeqBatch):
         """An EXTEND step's projection and convolution (the windows advance) -> conv_out [N, C], z [N, Hv, Dv],
-        b, a [N, Hv], late. At decode (one row per sequence, merged projections, Triton) the convolution
-        runs in the projection's launch (`kernels.linear_conv`), which may leave z's tiles to the
-        recurrence's launch (late: their LateTiles, else None); otherwise the projection, then the convolution."""
+        b, a [N, Hv]. At decode (one row per sequence, merged projections, Triton) the convolution runs
+        in the projection's launch (`kernels.linear_conv`); otherwise the projection, then the convolution."""
         conv_weight = self.conv1d.weight[:, 0, :]
         if self.in_proj_weight is not None and kernels.use_triton(x) and all(n == 1 for n in batch.num_rows):
-            fused = kernels.linear_conv(x, self.in_proj_weight, windows, conv_weight, batch.slots, late=LateSpan(self.conv_dim, self.num_v_heads * self.v_head_dim))
+            fused = kernels.linear_conv(x, self.in_proj_weight, windows, conv_weight, batch.slots)
             if fused is not None:
-                return *self._split(fused[0]), fused[1]
+                return self._split(fused)
         mixed_qkv, z, b, a = self._project(x)
-        return kernels.causal_conv1d_batched(windows, mixed_qkv, conv_weight, batch), z, b, a, None
+        return kernels.causal_conv1d_batched(windows, mixed_qkv, conv_weight, batch), z, b, a
 
-    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype, prefetch=None, late=None):
+    def _recurrence(self, pool, conv_out, a, b, batch: kernels.SeqBatch, write_state: bool, out_dtype: torch.dtype, prefetch=None):
         """The recurrence over batch's rows: the fused kernel on the Triton path (which queues `prefetch`,
-        kernels.l2_span, and computes `late`, the input projection's tiles left to it), else torch -> [N, Hv, Dv]."""
+        kernels.l2_span), else torch -> [N, Hv, Dv]."""
         if kernels.use_triton(conv_out):
-            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype, prefetch=prefetch, late=late)
-        assert late is None, "the input projection's late tiles are computed by the Triton recurrence only"
+            return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype, prefetch=prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch, write_state=write_state).to(out_dtype)
 
-    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None, late=None) -> torch.Tensor:  # -> [N, Hv, Dv]
-        """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence
-        (which computes `late`: decode only, where no row is chunked)."""
+    def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None) -> torch.Tensor:  # -> [N, Hv, Dv]
+        """EXTEND: whole aligned chunks by the chunked rule, then every other row by the recurrence."""
         chunked, rest = split_extend(batch)
         if chunked is None:
-            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch, late)
-        assert late is None, "late tiles at decode only"
+            return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch)
         q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
         out = kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked)  # fp32; the chunked rows only
         if sum(rest.num_rows):
@@ -218,8 +213,8 @@ class GatedDeltaNet(nn.Module):
                 core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
-            conv_out, z, b, a, late = self._project_conv(x, conv_pool, batch)
-            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype, prefetch, late)
+            conv_out, z, b, a = self._project_conv(x, conv_pool, batch)
+            core = self._extend(recurrent_pool, conv_out, a, b, batch, x.dtype, prefetch)
         y = self.norm(core, z).reshape(n, self.num_v_heads * self.v_head_dim)
         return self.out_proj(y, defer_sum=defer_sum)
 
