@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from freetoken.kernels import moe_route_triton as mr
 from freetoken.kernels import moe_triton as mt
 from graph_timing import copy_bandwidth, graph_us
 
@@ -43,7 +44,7 @@ def time_tokens(n: int, gate_up: torch.Tensor, down: torch.Tensor, bw: float) ->
         x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
         experts = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=gen)[:TOP_K] for _ in range(n)]).int()
         weights = torch.full((n, TOP_K), 1.0 / TOP_K, device="cuda", dtype=torch.bfloat16)
-        blocks = mt.direct_blocks(experts, 0, EXPERTS) if mt.is_direct(experts.numel()) else None  # route's, in the engine
+        blocks = mr.direct_blocks(experts, 0, EXPERTS) if mr.is_direct(experts.numel()) else None  # route's, in the engine
         calls.append((x, experts, weights, blocks))
         active += experts.unique().numel()
     us = graph_us([lambda x=x, e=e, w=w, b=b: mt.moe_experts(x, e, w, gate_up, down, blocks=b) for x, e, w, b in calls])
@@ -88,17 +89,17 @@ def compare_layouts() -> None:
             experts = torch.cat([routed, torch.full((n, 1), EXPERTS, device="cuda")], dim=1).int()
             weights = torch.full((n, TOP_K), 1.0 / TOP_K, device="cuda", dtype=torch.bfloat16)
             gate = torch.randn(n, 1, device="cuda", dtype=torch.bfloat16, generator=gen)
-            calls.append((x, experts, weights, gate, mt.direct_blocks(experts, 0, EXPERTS + 1)))
+            calls.append((x, experts, weights, gate, mr.direct_blocks(experts, 0, EXPERTS + 1)))
         direct = graph_us([lambda x=x, e=e, w=w, g=g, b=b: mt.moe_experts_with_shared(x, e, w, gate_up, down, g, b) for x, e, w, g, b in calls])
-        aligned = graph_us([lambda x=x, e=e, w=w, g=g: mt.moe_experts_with_shared(x, e, w, gate_up, down, g, mt.align(e, 0, EXPERTS + 1)) for x, e, w, g, _ in calls])
+        aligned = graph_us([lambda x=x, e=e, w=w, g=g: mt.moe_experts_with_shared(x, e, w, gate_up, down, g, mr.align(e, 0, EXPERTS + 1)) for x, e, w, g, _ in calls])
         rows = n * (TOP_K + 1)
         print(json.dumps({"tokens": n, "rows": rows, "direct_us": round(direct, 2), "aligned_us": round(aligned, 2),
-                          "shipped": "direct" if mt.is_direct(rows) else "aligned"}), flush=True)
+                          "shipped": "direct" if mr.is_direct(rows) else "aligned"}), flush=True)
 
 
 def main() -> None:
     bw = copy_bandwidth()
-    print(json.dumps({"copy_bandwidth_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(), "direct_max_rows": mt.DIRECT_MAX_ROWS}), flush=True)
+    print(json.dumps({"copy_bandwidth_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(), "direct_max_rows": mr.DIRECT_MAX_ROWS}), flush=True)
     if sys.argv[1:] == ["layouts"]:
         compare_layouts()
     else:

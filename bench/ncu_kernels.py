@@ -11,6 +11,7 @@
 import torch
 
 from freetoken.kernels import linear_triton as lt
+from freetoken.kernels import moe_route_triton as mr
 from freetoken.kernels import moe_triton as mt
 
 torch.manual_seed(0)
@@ -23,7 +24,7 @@ x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
 o = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
 g = torch.randn(1, 1, device="cuda", dtype=torch.bfloat16)
 for _ in range(4):
-    experts, weights, blocks = mt.route(torch.randn(1, E, device="cuda"), K, torch.bfloat16, with_shared=True)  # new experts each round
+    experts, weights, blocks = mr.route(torch.randn(1, E, device="cuda"), K, torch.bfloat16, with_shared=True)  # new experts each round
     mt.moe_experts_with_shared(x, experts, weights, gate_up, down, g, blocks)
     lt.linear(x, w_in)
     lt.linear(o, w_out)

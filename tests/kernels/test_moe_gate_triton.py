@@ -2,7 +2,7 @@
 routing left to the expert GEMMs (`moe_triton.GemmRoute`) vs the entry's own.
 
 s and h have the bits of the Triton `add_zc_rms_norm`; the shared-gate logit is the torch dot within
-rounding; experts, weights and direct row blocks are those of `moe_triton.route` on the torch logits
+rounding; experts, weights and direct row blocks are those of `moe_route_triton.route` on the torch logits
 (the gate rows are built so that a token's logits are well spaced: no near-ties). A token's results
 are the same bits alone, in a batch, and when the batch is cut into several launches; the per-token
 counters are back at zero after every launch.
@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from tests.kernels.conftest import DEVICES  # noqa: E402
 
-from freetoken.kernels import moe_gate_triton, moe_ref, moe_triton, norm_triton  # noqa: E402
+from freetoken.kernels import moe_gate_triton, moe_ref, moe_route_triton, moe_triton, norm_triton  # noqa: E402
 
 EPS = 1e-6
 
@@ -51,7 +51,7 @@ def test_matches_the_unfused_ops(device, dtype, with_shared, monkeypatch):
     assert torch.equal(s, want_s) and torch.equal(h, want_h)
     logits = (want_h.float() @ gates.float().T).to(dtype)
     torch.testing.assert_close(shared_gate, logits[:, -1:], rtol=2e-2, atol=2e-2)
-    want_experts, want_weights, want_blocks = moe_triton.route(logits[:, :-1], top_k, dtype, with_shared)
+    want_experts, want_weights, want_blocks = moe_route_triton.route(logits[:, :-1], top_k, dtype, with_shared)
     assert torch.equal(experts, want_experts)
     torch.testing.assert_close(weights, want_weights, rtol=1e-2, atol=1e-2)
     assert torch.equal(experts[:, :top_k].cpu().long(), moe_ref.route(logits[:, :-1].cpu(), top_k, dtype)[0])

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from tests.kernels.conftest import DEVICES  # noqa: E402
 
-from freetoken.kernels import moe_ref, moe_triton  # noqa: E402
+from freetoken.kernels import moe_ref, moe_route_triton  # noqa: E402
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3}  # weights: fp32 sum order; one bf16 ulp
 
@@ -43,7 +43,7 @@ def test_route_matches_reference(device, dtype):
     cases = [(1, 8, 2, None), (9, 8, 2, 9), (5, 12, 3, None)] if device == "cpu" else [(1, 256, 8, None), (37, 256, 8, 257)]
     for seed, (n, num_experts, top_k, columns) in enumerate(cases):
         logits = spaced_logits(n, num_experts, dtype, device, seed, columns)
-        experts, weights, _ = moe_triton.route(logits, top_k, dtype)
+        experts, weights, _ = moe_route_triton.route(logits, top_k, dtype)
         assert experts.shape == weights.shape == (n, top_k) and weights.dtype == dtype
         want_experts, want_weights = moe_ref.route(logits.cpu(), top_k, dtype)
         assert torch.equal(experts.cpu().long(), want_experts), f"{n} x {num_experts}: experts differ"
@@ -58,7 +58,7 @@ def test_route_picks_the_largest_lowest_id_first_among_many_ties(device):
     gen = torch.Generator().manual_seed(3)
     for num_experts, top_k in ((8, 8), (12, 1), (12, 5), (40, 8), (40, 11)):
         logits = (torch.randint(0, 4, (6, num_experts), generator=gen) * 0.25).to(device)
-        experts, weights, _ = moe_triton.route(logits, top_k, torch.float32)
+        experts, weights, _ = moe_route_triton.route(logits, top_k, torch.float32)
         order = torch.stack([torch.tensor(sorted(range(num_experts), key=lambda e: (-float(row[e]), e))[:top_k]) for row in logits.cpu()])
         assert torch.equal(experts.cpu().long(), order), f"{num_experts} experts, top {top_k}"
         p = torch.softmax(logits.cpu(), dim=-1).gather(1, order)
@@ -67,7 +67,7 @@ def test_route_picks_the_largest_lowest_id_first_among_many_ties(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_route_ties_go_to_lower_ids(device):
-    experts, weights, _ = moe_triton.route(torch.zeros(3, 8, device=device), 3, torch.float32)
+    experts, weights, _ = moe_route_triton.route(torch.zeros(3, 8, device=device), 3, torch.float32)
     assert torch.equal(experts.cpu(), torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32))
     assert torch.equal(weights.cpu(), torch.full((3, 3), 1 / 3))
 
@@ -76,9 +76,9 @@ def test_route_ties_go_to_lower_ids(device):
 def test_route_rows_are_invariant_to_batch(device):
     num_experts, top_k = (8, 2) if device == "cpu" else (256, 8)
     logits = torch.randn(13, num_experts, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
-    experts, weights, _ = moe_triton.route(logits, top_k, torch.bfloat16)
+    experts, weights, _ = moe_route_triton.route(logits, top_k, torch.bfloat16)
     for i in (0, 6, 12):
-        alone = moe_triton.route(logits[i : i + 1], top_k, torch.bfloat16)
+        alone = moe_route_triton.route(logits[i : i + 1], top_k, torch.bfloat16)
         assert torch.equal(alone[0], experts[i : i + 1]) and torch.equal(alone[1], weights[i : i + 1])
 
 
@@ -86,8 +86,8 @@ def test_route_rows_are_invariant_to_batch(device):
 def test_route_appends_the_shared_expert(device):
     num_experts, top_k = (8, 2) if device == "cpu" else (256, 8)
     logits = spaced_logits(6, num_experts, torch.bfloat16, device, seed=9, columns=num_experts + 1)
-    experts, weights, _ = moe_triton.route(logits, top_k, torch.bfloat16)
-    with_shared, same, _ = moe_triton.route(logits, top_k, torch.bfloat16, with_shared=True)
+    experts, weights, _ = moe_route_triton.route(logits, top_k, torch.bfloat16)
+    with_shared, same, _ = moe_route_triton.route(logits, top_k, torch.bfloat16, with_shared=True)
     assert with_shared.shape == (6, top_k + 1) and same.shape == (6, top_k)
     assert torch.equal(with_shared[:, :top_k], experts) and torch.equal(same, weights)
     assert torch.equal(with_shared[:, top_k].cpu(), torch.full((6,), num_experts, dtype=torch.int32))
@@ -99,7 +99,7 @@ def direct_reference(experts, first, count):
     """(sorted_ids, block_expert) of one block per flat row: the row then padding, its held expert or count."""
     flat = experts.reshape(-1).long() - first
     rows = flat.numel()
-    sorted_ids = torch.full((rows, moe_triton.BLOCK_M), rows, dtype=torch.int32)
+    sorted_ids = torch.full((rows, moe_route_triton.BLOCK_M), rows, dtype=torch.int32)
     sorted_ids[:, 0] = torch.arange(rows)
     block_expert = torch.where((flat >= 0) & (flat < count), flat, count).to(torch.int32)
     return sorted_ids.flatten(), block_expert
@@ -110,7 +110,7 @@ def test_route_writes_direct_blocks(device):
     """Up to DIRECT_MAX_ROWS routed rows the route launch writes the direct layout; direct_blocks
     writes the same from given experts; above it route writes none and row_blocks aligns."""
     num_experts, top_k = (8, 2) if device == "cpu" else (256, 8)
-    limit = moe_triton.DIRECT_MAX_ROWS
+    limit = moe_route_triton.DIRECT_MAX_ROWS
     cases = [  # (tokens, with_shared, first, count): count None = every expert (E, or E + 1 with the shared one)
         (1, False, 0, None),
         (1, True, 0, None),
@@ -119,7 +119,7 @@ def test_route_writes_direct_blocks(device):
     ]
     for seed, (n, shared, first, count) in enumerate(cases):
         logits = spaced_logits(n, num_experts, torch.bfloat16, device, seed)
-        experts, weights, blocks = moe_triton.route(logits, top_k, torch.bfloat16, shared, first, count)
+        experts, weights, blocks = moe_route_triton.route(logits, top_k, torch.bfloat16, shared, first, count)
         count = num_experts + shared if count is None else count
         rows = n * (top_k + shared)
         assert blocks is not None and blocks[2:] == (rows, first, count), f"case {n, shared, first}: {blocks}"
@@ -127,18 +127,18 @@ def test_route_writes_direct_blocks(device):
         assert torch.equal(blocks.sorted_ids.cpu(), want_ids), f"case {n, shared, first}: row ids differ"
         assert torch.equal(blocks.block_expert.cpu(), want_experts), f"case {n, shared, first}: block experts differ"
         assert (want_experts == count).any() == (first > 0), "the expert-parallel case skips some rows, the others none"
-        same, same_weights, _ = moe_triton.route(logits, top_k, torch.bfloat16, shared)
+        same, same_weights, _ = moe_route_triton.route(logits, top_k, torch.bfloat16, shared)
         assert torch.equal(same, experts) and torch.equal(same_weights, weights), "the layout changed the routing"
         for given in (experts, experts.long()):  # experts from elsewhere, int32 or int64
-            direct = moe_triton.direct_blocks(given, first, count)
+            direct = moe_route_triton.direct_blocks(given, first, count)
             assert direct[2:] == blocks[2:] and torch.equal(direct.sorted_ids, blocks.sorted_ids) and torch.equal(direct.block_expert, blocks.block_expert)
-            assert torch.equal(moe_triton.row_blocks(given, first, count).sorted_ids, blocks.sorted_ids)
+            assert torch.equal(moe_route_triton.row_blocks(given, first, count).sorted_ids, blocks.sorted_ids)
     n = limit // top_k + 1  # past the threshold
     logits = spaced_logits(n, num_experts, torch.bfloat16, device, seed=7)
-    experts, _, blocks = moe_triton.route(logits, top_k, torch.bfloat16)
-    assert blocks is None and not moe_triton.is_direct(n * top_k)
-    aligned = moe_triton.row_blocks(experts, 0, num_experts)
-    assert aligned.block_expert.shape[0] == moe_triton.max_blocks(num_experts, n * top_k)
+    experts, _, blocks = moe_route_triton.route(logits, top_k, torch.bfloat16)
+    assert blocks is None and not moe_route_triton.is_direct(n * top_k)
+    aligned = moe_route_triton.row_blocks(experts, 0, num_experts)
+    assert aligned.block_expert.shape[0] == moe_route_triton.max_blocks(num_experts, n * top_k)
     want_ids, want_blocks = align_reference(experts.cpu(), 0, num_experts, aligned.block_expert.shape[0])
     assert torch.equal(aligned.block_expert.cpu(), want_blocks) and torch.equal(aligned.sorted_ids[: want_ids.shape[0]].cpu(), want_ids)
 
@@ -150,8 +150,8 @@ def align_reference(experts, first, count, num_blocks):
     sorted_ids, block_expert = [], []
     for e in range(count):
         mine = (flat == e).nonzero().flatten().tolist()  # ascending
-        blocks = -(-len(mine) // moe_triton.BLOCK_M)
-        sorted_ids += mine + [rows] * (blocks * moe_triton.BLOCK_M - len(mine))
+        blocks = -(-len(mine) // moe_route_triton.BLOCK_M)
+        sorted_ids += mine + [rows] * (blocks * moe_route_triton.BLOCK_M - len(mine))
         block_expert += [e] * blocks
     block_expert += [count] * (num_blocks - len(block_expert))
     return torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(block_expert, dtype=torch.int32)
@@ -161,7 +161,7 @@ def align_reference(experts, first, count, num_blocks):
 def test_align_matches_grouping(device):
     num_experts, top_k = (8, 2) if device == "cpu" else (256, 8)
     gen = torch.Generator().manual_seed(2)
-    many = moe_triton.BLOCK_T // top_k + 37  # more rows than one scan step
+    many = moe_route_triton.BLOCK_T // top_k + 37  # more rows than one scan step
     cases = [
         (torch.randperm(num_experts, generator=gen)[:top_k][None], 0, num_experts),
         (torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(19)]), 0, num_experts),
@@ -171,9 +171,9 @@ def test_align_matches_grouping(device):
         (torch.arange(top_k).repeat(8200, 1), num_experts // 2, num_experts // 2),  # held by no row; > BLOCK_T surplus blocks
     ]
     for experts, first, count in cases:
-        sorted_ids, block_expert, rows, *held = moe_triton.align(experts.to(torch.int32).to(device), first, count)
+        sorted_ids, block_expert, rows, *held = moe_route_triton.align(experts.to(torch.int32).to(device), first, count)
         want_ids, want_blocks = align_reference(experts, first, count, block_expert.shape[0])
         assert (rows, *held) == (experts.numel(), first, count)
-        assert block_expert.shape[0] == moe_triton.max_blocks(count, experts.numel())
+        assert block_expert.shape[0] == moe_route_triton.max_blocks(count, experts.numel())
         assert torch.equal(block_expert.cpu(), want_blocks), f"{experts.shape}, first {first}: block experts differ"
         assert torch.equal(sorted_ids[: want_ids.shape[0]].cpu(), want_ids), f"{experts.shape}, first {first}: row ids differ"

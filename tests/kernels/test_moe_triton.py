@@ -30,7 +30,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
 
 import freetoken.kernels  # noqa: E402
-from freetoken.kernels import moe_ref, moe_triton  # noqa: E402
+from freetoken.kernels import moe_ref, moe_route_triton, moe_triton  # noqa: E402
 from freetoken.layers.merge import merge_projections  # noqa: E402
 from freetoken.layers.moe import SparseMoE  # noqa: E402
 
@@ -88,7 +88,7 @@ CASES = [  # (tokens, shared experts or None)
 
 def first_in_block(blocks):
     """Flat rows that sit first in their row block (the direct layout: every row)."""
-    ids = blocks.sorted_ids.view(-1, moe_triton.BLOCK_M)[:, 0]
+    ids = blocks.sorted_ids.view(-1, moe_route_triton.BLOCK_M)[:, 0]
     return set(ids[(blocks.block_expert < blocks.count) & (ids < blocks.rows)].tolist())
 
 
@@ -114,7 +114,7 @@ def test_moe_rows_are_invariant_to_batch(device, dtype):
     last only where the row is first in each of its aligned blocks."""
     gate_up, down = weights_for(device, dtype)
     x, experts, w = routing(40, device, dtype, seed=7)
-    assert not moe_triton.is_direct(experts.numel()) and moe_triton.is_direct(3 * experts.shape[1])
+    assert not moe_route_triton.is_direct(experts.numel()) and moe_route_triton.is_direct(3 * experts.shape[1])
     full = moe_triton.moe_experts(x, experts, w, gate_up, down)
     small = moe_triton.moe_experts(x[:3], experts[:3], w[:3], gate_up, down)
     for i in range(3):
@@ -152,7 +152,7 @@ def test_moe_layouts_agree_bitwise(device, dtype, stacked):
         run = lambda blocks: moe_triton.moe_experts(x, experts, w, gate_up, down, blocks=blocks)  # noqa: E731
     experts = experts.to(torch.int32).contiguous()
     count = gate_up.shape[0]
-    direct, aligned = moe_triton.direct_blocks(experts, 0, count), moe_triton.align(experts, 0, count)
+    direct, aligned = moe_route_triton.direct_blocks(experts, 0, count), moe_route_triton.align(experts, 0, count)
     assert direct.block_expert.shape[0] == experts.numel() and first_in_block(direct) == set(range(experts.numel()))
     got_direct, got_aligned = run(direct), run(aligned)
     firsts = first_in_block(aligned)
@@ -275,7 +275,7 @@ def test_moe_shared_expert_stacked(device, dtype):
             torch.testing.assert_close(got.cpu().double(), exact, rtol=1e-5, atol=1e-5, msg=f"{n} tokens vs fp64")
     x, experts, w = routing(40, device, dtype, seed=7)
     experts = with_shared(experts, num_experts)
-    assert not moe_triton.is_direct(experts.numel()) and moe_triton.is_direct(3 * experts.shape[1])
+    assert not moe_route_triton.is_direct(experts.numel()) and moe_route_triton.is_direct(3 * experts.shape[1])
     g = torch.randn(40, 1, generator=gen).to(dtype).to(device)
     full = moe_triton.moe_experts_with_shared(x, experts, w, gate_up, down, g)  # aligned
     small = moe_triton.moe_experts_with_shared(x[:3], experts[:3], w[:3], gate_up, down, g[:3])  # direct
@@ -385,7 +385,7 @@ def test_sparse_moe_launches(stacked, tokens, monkeypatch):
     x = torch.randn(tokens, block.gate.weight.shape[1])
     shared, _ = launches(lambda: block.shared_expert(x), monkeypatch)
     kernels, ops = launches(lambda: block(x), monkeypatch)
-    direct = moe_triton.is_direct(tokens * (block.top_k + stacked))
+    direct = moe_route_triton.is_direct(tokens * (block.top_k + stacked))
     assert direct == (tokens == 5)
     combine = tokens > moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
     assert combine == (tokens == 70)

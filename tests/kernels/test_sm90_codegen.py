@@ -18,7 +18,7 @@ from tests.kernels import sm90_build  # noqa: E402
 
 _BUILD = """
 import json, sys
-from freetoken.kernels import linear_triton, moe_exit_triton as mx, moe_triton, norm_triton, rope_triton
+from freetoken.kernels import linear_triton, moe_exit_triton as mx, moe_route_triton as mr, moe_triton, norm_triton, rope_triton
 from tests.kernels import sm90_build
 
 def ptx(kernel, pointers, ints, constants, options, unspecialised=("T", "M")):
@@ -33,7 +33,7 @@ built = {
     "gate_up": ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32
                    | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "ready_ptr": "*i32"},
                    ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E"),
-                   dict(ROW_K=9, BLOCK_M=m.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
+                   dict(ROW_K=9, BLOCK_M=mr.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
                         ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, REP=m.GATE_UP_WARPS, PDL=True),
                    {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}, unspecialised=("T", "E")),
 }
@@ -43,7 +43,7 @@ for combine_in_down in (False, True):
         m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
         | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32"},
         ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles"),
-        dict(BLOCK_M=m.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=combine_in_down, TOP_K=8, TOP_K_POW2=8,
+        dict(BLOCK_M=mr.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=combine_in_down, TOP_K=8, TOP_K_POW2=8,
              ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, ROUTE_HERE=True, BLOCK_E=256, ROW_READY=True, PERIOD=64,
              WEIGHTED_BY_ID=not combine_in_down, REP=m.DOWN_WARPS, PDL=True),  # the decode step's ("down"): its combine deferred to the exit
         {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "E", "up_tiles"))

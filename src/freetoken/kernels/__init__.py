@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from freetoken.kernels.l2_prefetch import Span
     from freetoken.kernels.linear_triton import PendingSplitK
     from freetoken.kernels.moe_exit_triton import PendingCombine
-    from freetoken.kernels.moe_triton import RowBlocks
+    from freetoken.kernels.moe_route_triton import RowBlocks
 
 MODE = os.environ.get("FREETOKEN_KERNELS", "auto")
 FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add+norm, gates linear, route; for A/B timing)
@@ -229,13 +229,13 @@ def moe_route(logits: torch.Tensor, top_k: int, dtype: torch.dtype | None = None
     (default logits.dtype), blocks); softmax and renormalisation in fp32. with_shared: experts
     [N, top_k + 1] with column top_k = E, the shared expert held as one more expert. blocks: on the
     Triton path for few rows, the expert GEMMs' row blocks for the experts [first, first + count)
-    (default all), written by the routing launch (moe_triton.RowBlocks); else None. Pass them on to
+    (default all), written by the routing launch (moe_route_triton.RowBlocks); else None. Pass them on to
     moe_experts / moe_experts_with_shared, which then launch no layout kernel."""
     dtype = dtype or logits.dtype
     if use_triton(logits):
-        from freetoken.kernels import moe_triton
+        from freetoken.kernels import moe_route_triton
 
-        return moe_triton.route(logits, top_k, dtype, with_shared, first, count)
+        return moe_route_triton.route(logits, top_k, dtype, with_shared, first, count)
     from freetoken.kernels import moe_ref
 
     return (*moe_ref.route(logits, top_k, dtype, with_shared), None)

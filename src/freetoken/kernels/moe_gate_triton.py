@@ -2,11 +2,11 @@
 and shared-expert gate logits, and the routing.
 
 Unfused, the block starts with three launches: `add_zc_rms_norm` (s = x + residual, h = norm(s)), the
-linear of the merged [E + 1, H] gates weight (router | shared gate) and `moe_triton.route`. At decode
+linear of the merged [E + 1, H] gates weight (router | shared gate) and `moe_route_triton.route`. At decode
 each is short and the launches' ramps cost more than their bytes. Here program (token, g) recomputes
 the token's add + norm (one row: cheap), writes s and h if g == 0, and computes GATE_ROWS of the
 token's E + 1 gate logits; the program that arrives last for the token (a per-token counter, as in
-the split-K linear) reads all of them back and routes the token (`moe_triton._route_token`, so the
+the split-K linear) reads all of them back and routes the token (`moe_route_triton._route_token`, so the
 experts, weights and direct row blocks are those of `route`). In the direct layout with the shared
 expert stacked (ROUTE_IN_GEMMS) the entry ends once its logits are stored instead, and the expert
 GEMMs route (`moe_triton.GemmRoute`): that takes the counter and the logits' reload off the step.
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import l2_prefetch, moe_triton, norm_triton, pdl
+from freetoken.kernels import l2_prefetch, moe_route_triton, moe_triton, norm_triton, pdl
 
 GATE_ROWS = 4  # gate logits per program: 65 programs per token at E = 256. H200, 35B-A3B decode step in one
 # run (bench/variants.py): 2.6655 ms at 4 rows, 2.6786 at 2, 2.6823 at 8, 2.8909 at 16 (logs/variants-gate-rows-35b-a26586a.jsonl)
@@ -81,8 +81,8 @@ def _add_norm_route_kernel(
         experts = tl.arange(0, BLOCK_E)
         experts = experts[None, :] + 0 * tl.arange(0, REP)[:, None]
         router = tl.load(logits_ptr + token * stride_l + experts, mask=experts < E, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-        moe_triton._route_token(router, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
-                                TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, BLOCK_M, DIRECT)
+        moe_route_triton._route_token(router, token, experts_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, E, T, first, C,
+                                      TOP_K, TOP_K_POW2, BLOCK_E, ROW_K, BLOCK_M, DIRECT)
         tl.atomic_xchg(count_ptr + token, 0, sem="relaxed", scope="gpu")
 
 
@@ -104,9 +104,9 @@ def add_norm_route(
     first: int = 0,
     count: int | None = None,
     prefetch: l2_prefetch.Span | None = None,  # queued by extra programs of the launch (l2_prefetch)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, moe_triton.RowBlocks | moe_triton.GemmRoute | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, moe_route_triton.RowBlocks | moe_triton.GemmRoute | None]:
     """-> (s = x + residual, h = norm(s) * (1 + w), experts [N, top_k (+ 1)] int32, weights [N, top_k],
-    shared-gate logits [N, 1], row blocks): `add_zc_rms_norm`, the gates linear and `moe_triton.route`
+    shared-gate logits [N, 1], row blocks): `add_zc_rms_norm`, the gates linear and `moe_route_triton.route`
     (its arguments, its results) in one launch. With ROUTE_IN_GEMMS, in the direct layout with the
     shared expert stacked, the blocks are a `moe_triton.GemmRoute` instead: experts and weights are
     written by the gate_up launch that takes it."""
@@ -118,11 +118,11 @@ def add_norm_route(
     x, stride_x, stride_xs, x_split = norm_triton.row_source(x)
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
     dtype, device = residual.dtype, residual.device
-    gemm_route = ROUTE_IN_GEMMS and with_shared and first == 0 and count in (None, num_gates) and moe_triton.is_direct(n * (top_k + 1))
-    out = moe_triton.route_outputs(n, num_experts, top_k, dtype, with_shared, first, count, device, direct_blocks=not gemm_route)
+    gemm_route = ROUTE_IN_GEMMS and with_shared and first == 0 and count in (None, num_gates) and moe_route_triton.is_direct(n * (top_k + 1))
+    out = moe_route_triton.route_outputs(n, num_experts, top_k, dtype, with_shared, first, count, device, direct_blocks=not gemm_route)
     s, h = torch.empty_like(residual), torch.empty_like(residual)
     # Rows 16-aligned, so that the routing's loads of a row vectorise: that gives each warp whole rows
-    # of its copy of the logits (moe_triton._top_k), with no barrier in the routing's reductions.
+    # of its copy of the logits (moe_route_triton._top_k), with no barrier in the routing's reductions.
     logits = torch.empty((n, triton.cdiv(num_gates, 16) * 16), dtype=dtype, device=device)[:, :num_gates]
     counters = _token_counters(device)
     gate_programs = triton.cdiv(num_gates, GATE_ROWS)

@@ -1,4 +1,5 @@
-"""Routing and routed experts of a sparse MoE block (reference: the CPU path and the oracle of moe_triton).
+"""Routing and routed experts of a sparse MoE block (reference: the CPU path and the oracle
+of moe_route_triton and moe_triton).
 
 Experts run one at a time over every token routed to them: one row-invariant linear per expert and
 projection. A token's weighted expert outputs are added in fp32 in ascending expert id, which for

@@ -14,7 +14,7 @@ dense MLP and the combine adds its output. The torch path is unchanged by either
 Launches per block on the Triton path, merged: the decoder layer hands the block the mixer's output
 and the residual (`add_norm_forward`), and one launch does the residual add, the post-attention norm,
 the gate logits and the routing (`kernels.moe_add_norm_route`); at small decode and verify sizes
-(N * R <= 32 routed rows, R = top_k + 1 stacked, else top_k; `moe_triton.DIRECT_MAX_ROWS`) it also
+(N * R <= 32 routed rows, R = top_k + 1 stacked, else top_k; `moe_route_triton.DIRECT_MAX_ROWS`) it also
 writes the expert GEMMs' row blocks (one row per block), and up to moe_triton.COMBINE_IN_DOWN_MAX_TOKENS
 tokens the down launch also combines, so with the stacked shared expert the add, norm and block are
 three launches (that one, gate_up, down), and with a dense shared MLP six (and the MLP's gate_up
