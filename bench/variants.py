@@ -6,7 +6,7 @@ fresh engine (so its CUDA graphs are captured with the variant) and times a gree
 a hash of its tokens so that runs of other trees (other processes) can be compared too.
 
     python bench/variants.py --shape qwen3.5-35b-a3b \\
-        --variant unfused kernels.FUSE_MOE_ENTRY=0 moe_triton.PREFETCH=0 \\
+        --variant unfused kernels.FUSE_MOE_ENTRY=0 moe_triton.ROUTE_PER_WARP=0 \\
         --variant shipped
 """
 

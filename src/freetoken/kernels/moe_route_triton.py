@@ -72,7 +72,7 @@ def _top_k(logits, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl
     """One token's fp32 router logits [REP, BLOCK_E] (REP copies of the row; -inf past E) -> (ids
     [REP, TOP_K_POW2] int32, weights [REP, TOP_K_POW2] fp32 renormalised; slots past TOP_K 0), each row
     the same: softmax, then top_k by iterative max. Every reduction runs along a row, so with one copy
-    per warp (REP = num_warps, `ROUTE_PER_WARP`) it stays inside the warp (shuffles, no barrier), and a
+    per warp (REP = num_warps, `moe_triton.ROUTE_PER_WARP`) it stays inside the warp (shuffles, no barrier), and a
     row's sums take the same order as a one-warp launch's. (All eight picks in one tl.reduce with a
     bitonic top-8 merge measured slower in the 35B-A3B step: 2.346 against 2.332 ms,
     logs/variants-35b-topk-network-c5a2dae.jsonl.)"""
@@ -200,7 +200,7 @@ def _align_kernel(
 
 @triton.jit
 def _routed_row(logits_ptr, stride_l, row, E, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_K: tl.constexpr, REP: tl.constexpr):
-    """Flat row `row` of the direct layout routed from its token's router logits (`GemmRoute`) ->
+    """Flat row `row` of the direct layout routed from its token's router logits (`moe_triton.GemmRoute`) ->
     (token, its expert: the slot's pick of `_top_k`, E for the shared expert's slot, ids, weights
     [REP, TOP_K_POW2])."""
     token = row // ROW_K
