@@ -15,6 +15,7 @@ console = Console(stderr=True)
 class Spec(str, Enum):
     none = "none"
     mtp = "mtp"
+    dflash = "dflash"
 
 
 class DType(str, Enum):

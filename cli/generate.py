@@ -30,7 +30,7 @@ def generate(
     prompts: PromptsFileOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write completions as JSONL here.")] = None,
     spec: Annotated[Spec, typer.Option("--spec", help="Speculative decoding method.")] = Spec.none,
-    num_draft_tokens: Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, help="Drafts per verify step (default 1 with --spec mtp: the fastest k measured on the embedded model, bench/results/embedded-*.json).")] = None,
+    num_draft_tokens: Annotated[Optional[int], typer.Option("--num-draft-tokens", "-k", min=1, help="Drafts per verify step (default 1 with --spec mtp: the fastest k measured on the embedded model, bench/results/embedded-*.json; with --spec dflash the draft's block size - 1).")] = None,
     max_new_tokens: MaxNewTokensOpt = 64,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0)] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")] = 0,
@@ -53,11 +53,11 @@ def generate(
     from freetoken.sampling import SamplingParams
 
     texts = read_prompts(prompt, prompts, default=DEFAULT_PROMPTS)
-    k = (num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS) if spec is Spec.mtp else 0
+    k = {Spec.mtp: num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS, Spec.dflash: num_draft_tokens or 0}.get(spec, 0)  # dflash 0: the LLM takes block size - 1
     if spec is Spec.none and num_draft_tokens:
         from freetoken.errors import FreetokenError
 
-        raise FreetokenError("--num-draft-tokens needs --spec mtp")
+        raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp or dflash)")
     config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, mem_fraction=mem_fraction, spec=spec.value, num_draft_tokens=k, seed=seed,
                           max_model_len=8192, tensor_parallel=tensor_parallel)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -44,7 +44,7 @@ def parity(
 
     texts = read_prompts(prompt, prompts, default=PARITY_PROMPTS)
     if spec is Spec.none and against != "hf":
-        raise FreetokenError("parity needs a spec method (--spec mtp) or --against hf")
+        raise FreetokenError("parity needs a spec method (--spec mtp or dflash) or --against hf")
     if against not in ("none", "hf"):
         raise FreetokenError(f"--against must be 'none' or 'hf', not {against!r}")
     if against == "hf" and tensor_parallel > 1:

@@ -100,10 +100,25 @@ class LLM:
         wants_mtp = self.config.spec == "mtp"
         if wants_mtp and "mtp" not in self.checkpoint.draft_heads:
             raise FreetokenError("the checkpoint has no MTP head, so --spec mtp cannot run; use --spec none", self.path)
+        wants_dflash = self.config.spec == "dflash"
+        if wants_dflash and "dflash" not in self.checkpoint.draft_heads:
+            raise FreetokenError("the checkpoint has no DFlash draft, so --spec dflash cannot run; convert it with --dflash DRAFT_DIR, or use --spec none", self.path)
+        if wants_dflash and self.parallel.is_parallel:
+            raise FreetokenError("--spec dflash does not run with --tensor-parallel yet")
         self.model = load_model(
             self.checkpoint, self.checkpoint.family, self.checkpoint.config, with_mtp=wants_mtp,
             device=self.config.device, dtype=self.config.torch_dtype, origin=str(self.path), parallel=self.parallel,
         )
+        if wants_dflash:
+            from freetoken.spec.dflash.loader import load_draft
+
+            cfg = self.model.config
+            self.model.attached_drafts["dflash"] = load_draft(
+                self.checkpoint, self.checkpoint.draft_heads["dflash"], cfg.num_hidden_layers, cfg.hidden_size,
+                device=self.config.device, dtype=self.config.torch_dtype, origin=str(self.path),
+            )
+            if not self.config.num_draft_tokens:
+                self.config = replace(self.config, num_draft_tokens=self.model.attached_drafts["dflash"].config.block_size - 1)
         self.tokenizer = None
         if self.checkpoint.tokenizer_path is not None:
             from tokenizers import Tokenizer

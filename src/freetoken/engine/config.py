@@ -15,8 +15,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: from mem_fraction on CUDA, else max_num_seqs requests of max_model_len tokens
     mem_fraction: float = 0.0  # CUDA: share of the free GPU memory (after weights and state) for the KV pool; 0 = off
     max_model_len: int = 4096
-    spec: str = "none"  # none | mtp
-    num_draft_tokens: int = 0
+    spec: str = "none"  # none | mtp | dflash (and oracle, for benchmarks)
+    num_draft_tokens: int = 0  # with dflash, 0 means the draft's block size - 1 (set when the LLM loads it)
     seed: int = 0
     tensor_parallel: int = 1  # processes sharing the model (one per GPU); see freetoken.distributed
     prefill_align: int = 64  # prompts are cut into prefill pieces at multiples of this (the chunked GDN rule's chunk)
@@ -27,7 +27,7 @@ class EngineConfig:
         from freetoken.errors import FreetokenError
 
         if self.spec == "none" and self.num_draft_tokens:
-            raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp)")
+            raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp or dflash)")
         if not 0.0 <= self.mem_fraction < 1.0:
             raise FreetokenError(f"--mem-fraction must be in [0, 1), not {self.mem_fraction}")
         if self.num_draft_tokens < 0 or self.max_num_seqs < 1 or self.block_size < 1 or self.tensor_parallel < 1:

@@ -102,6 +102,8 @@ class LLMEngine:
         max_blocks_per_seq = -(-(config.max_model_len + k + 1) // config.block_size)
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin,
                                                                cuda_graphs=config.cuda_graphs, max_blocks_per_seq=max_blocks_per_seq)
+        # the graphs replay forwards that export no layers (a method with target_layers runs its verify steps eagerly)
+        use_graphs = use_graphs and not self.spec.target_layers
         self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq, config.max_num_seqs) if use_graphs else None
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
         self.eos_ids = set(model.eos_token_ids)
@@ -180,18 +182,26 @@ class LLMEngine:
         groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length],
                            chunkable_end=len(c.request.prompt_token_ids) // align * align) for c in chunks]
         ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
-        hidden = self.model(ctx)
+        hidden, layer_hidden = self._forward(ctx)
         committed = []
         for chunk, seq in zip(chunks, ctx.seqs):
             request = chunk.request
             request.num_cached_tokens += chunk.length
             tokens = request.token_ids
-            committed.append(CommittedRows(request, chunk.start, hidden[seq.rows], tokens[chunk.start + 1 : chunk.start + chunk.length + 1]))
+            committed.append(CommittedRows(request, chunk.start, hidden[seq.rows], tokens[chunk.start + 1 : chunk.start + chunk.length + 1],
+                                           None if layer_hidden is None else layer_hidden[seq.rows]))
             self.stats.prefill_tokens += chunk.length
         self.spec.observe(committed)
 
-    def _verify(self, requests: list[Request], groups: list[RowGroup], proposal) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Target forward over every request's k+1 rows, verify, commit -> (hidden [B*(k+1), H], accepted drafts, next tokens)."""
+    def _forward(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's eager forward -> (post-norm hidden [N, H], outputs of the method's target layers [N, n * H] or None)."""
+        if not self.spec.target_layers:
+            return self.model(ctx), None
+        return self.model(ctx, export_layers=self.spec.target_layers)
+
+    def _verify(self, requests: list[Request], groups: list[RowGroup], proposal) -> tuple[torch.Tensor, torch.Tensor | None, list[int], list[int]]:
+        """Target forward over every request's k+1 rows, verify, commit -> (hidden [B*(k+1), H], the
+        method's target layers' outputs [B*(k+1), n*H] or None, accepted drafts, next tokens)."""
         k = self.spec.num_draft_tokens
         mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
         greedy = all(r.params.is_plain_greedy for r in requests)
@@ -200,18 +210,18 @@ class LLMEngine:
             rows = len(requests) * (k + 1)
             if greedy:  # verify and commit ran inside the graph
                 accepted, next_tokens = step.result[:, : len(requests)].tolist()
-                return step.hidden[:rows], accepted, next_tokens
+                return step.hidden[:rows], None, accepted, next_tokens
             result = self._sample(step.logits[:rows], requests, proposal)
             if k > 0:
                 self.graphs.commit(step, result.accepted_len + 1)  # on the device: no host round trip first
-            return step.hidden[:rows], result.accepted_len.tolist(), result.next_token.tolist()
+            return step.hidden[:rows], None, result.accepted_len.tolist(), result.next_token.tolist()
         ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
-        hidden = self.model(ctx)
+        hidden, layer_hidden = self._forward(ctx)
         result = self._sample(self.model.compute_logits(hidden), requests, proposal)
         accepted = result.accepted_len.tolist()
         if k > 0:
             self.model.commit(ctx, [a + 1 for a in accepted])
-        return hidden, accepted, result.next_token.tolist()
+        return hidden, layer_hidden, accepted, result.next_token.tolist()
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], proposal) -> sampling.VerifyResult:
         """Chain verification of the drafts against the target logits [B*(k+1), V]."""
@@ -240,7 +250,7 @@ class LLMEngine:
         proposal = self.spec.propose(requests)
         drafts = proposal.tokens.tolist()
         groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id] + d) for r, d in zip(requests, drafts)]
-        hidden, accepted, next_tokens = self._verify(requests, groups, proposal)
+        hidden, layer_hidden, accepted, next_tokens = self._verify(requests, groups, proposal)
         row_slices = [slice(i * (k + 1), (i + 1) * (k + 1)) for i in range(len(requests))]
         self.stats.decode_steps += 1
 
@@ -264,7 +274,7 @@ class LLMEngine:
                 finished.append(request)
             else:
                 self.kv_pool.trim(request.block_table, request.num_cached_tokens)
-                committed.append(CommittedRows(request, start, hidden[rows][: a + 1], emitted))
+                committed.append(CommittedRows(request, start, hidden[rows][: a + 1], emitted, None if layer_hidden is None else layer_hidden[rows][: a + 1]))
         self.spec.observe(committed)
         return finished
 

@@ -2,8 +2,9 @@
 
 Every decode step is a verify: each running request feeds k+1 rows (its last token and k drafts),
 the same k for every request. `none` is the method with k = 0, so there is one decode path. A
-method sees the target's committed rows through `observe` and proposes drafts through `propose`;
-it never touches the scheduler or the pools beyond the block tables it is handed.
+method sees the target's committed rows through `observe` (with the outputs of the target layers it
+names in `target_layers`, for drafts that read them) and proposes drafts through `propose`; it never
+touches the scheduler or the pools beyond the block tables it is handed.
 
 Every method is built as `Method(model, kv_pool, num_draft_tokens, device, origin=..., cuda_graphs=...,
 max_blocks_per_seq=...)`; the last two say whether it may replay its drafting as CUDA graphs and the
@@ -33,11 +34,13 @@ class CommittedRows:
     request: Request
     first_position: int  # position of the first row
     hidden: torch.Tensor  # [m, H] target post-norm hidden of those rows
-    next_token_ids: list[int]  # [m] the token that follows each row (x_{t+1})
+    next_token_ids: list[int]  # [m] the token that follows each row (x_{t+1}); the last row's may be unknown yet
+    layer_hidden: torch.Tensor | None = None  # [m, n * H] outputs of the method's target_layers, concatenated; None if it reads none
 
 
 class SpecMethod(Protocol):
     num_draft_tokens: int
+    target_layers: tuple[int, ...]  # decoder layers whose outputs observe reads (CommittedRows.layer_hidden); () for none
 
     def observe(self, rows: Sequence[CommittedRows]) -> None:
         """Consume the target's committed rows: write draft caches and prepare the next proposal."""
@@ -53,6 +56,7 @@ class NoSpec:
     """Plain decoding: zero drafts."""
 
     num_draft_tokens = 0
+    target_layers = ()
 
     def __init__(self, model=None, kv_pool=None, num_draft_tokens: int = 0, device=None, origin: str | None = None, cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         assert num_draft_tokens == 0

@@ -12,6 +12,7 @@ import importlib
 METHODS: dict[str, str] = {
     "none": "freetoken.engine.spec_protocol:NoSpec",
     "mtp": "freetoken.spec.mtp.method:MTPMethod",
+    "dflash": "freetoken.spec.dflash.method:DFlashMethod",
     "oracle": "freetoken.spec.oracle:OracleDrafts",  # benchmarking only: replays a known continuation
 }
 

@@ -18,6 +18,8 @@ from freetoken.engine.spec_protocol import CommittedRows, Proposal
 
 
 class OracleDrafts:
+    target_layers = ()
+
     def __init__(self, model, kv_pool, num_draft_tokens: int, device, origin: str | None = None, cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         self.num_draft_tokens = num_draft_tokens
         self.vocab_size = model.config.vocab_size

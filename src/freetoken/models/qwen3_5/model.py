@@ -61,14 +61,24 @@ class DecoderLayer(nn.Module):
         residual stream before the MLP's add), whose sum is the layer's output. defer_output: the
         mlp output may be left unfinished (a MoE block's `PendingCombine`, a dense MLP's down
         partials `PendingSplitK`), for the caller's `add_norm` only."""
-        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+        return self.mix(*self.enter(x, residual), ctx, defer_output)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+
+    def enter(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's input stream x + residual, its input norm) [N, H] each: the first half of forward_residual."""
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:  # the add + norm launch prefetches the mixer's input projection into L2 (kernels.l2_span)
-            residual, h = add_norm(x, residual, self.input_layernorm, kernels.l2_span(mixer.input_weight, residual, "input"))
+            return x, self.input_layernorm(x)
+        # the add + norm launch prefetches the mixer's input projection into L2 (kernels.l2_span)
+        return add_norm(x, residual, self.input_layernorm, kernels.l2_span(self.mixer.input_weight, residual, "input"))
+
+    def mix(self, residual: torch.Tensor, h: torch.Tensor, ctx: ForwardContext, defer_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixer and the MLP over the entered stream (`enter`) -> forward_residual's (mlp output, residual)."""
         # The mixer may leave its output projection's split-K sum to the add + norm that follows it; the
         # MoE block fuses that add + norm into its routing (and may leave its combine to the next one).
-        return self.mlp.add_norm_forward(mixer(h, ctx, defer_sum=True), residual, self.post_attention_layernorm, defer_output)
+        return self.mlp.add_norm_forward(self.mixer(h, ctx, defer_sum=True), residual, self.post_attention_layernorm, defer_output)
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm, prefetch=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +112,7 @@ class Qwen35ForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, parallel)
         self.mtp = Qwen35MTP(cfg, self, kv_index=len(cfg.full_attention_layers), parallel=parallel) if with_mtp else None
+        self.attached_drafts: dict[str, nn.Module] = {}  # family-agnostic drafts (DFlash), set by whoever loads one
 
     # -- what the runtime needs to size its pools -------------------------------------------------
     @property
@@ -130,19 +141,31 @@ class Qwen35ForCausalLM(nn.Module):
         return self.config.eos_token_ids
 
     def draft_network(self, name: str):
-        """The family's own draft network for a spec method, or None if the checkpoint has none."""
-        return self.mtp if name == "mtp" else None
+        """The draft network of a spec method: the family's own MTP head, or a family-agnostic draft
+        attached to the model (`attached_drafts`); None if the checkpoint has none."""
+        return self.mtp if name == "mtp" else self.attached_drafts.get(name)
 
     # -- compute -------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, H]
         return self.model.embed_tokens(ids)
 
-    def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        """Run the rows of ctx through the trunk -> post-norm hidden [N, H]."""
+    def forward(self, ctx: ForwardContext, export_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run the rows of ctx through the trunk -> post-norm hidden [N, H].
+
+        export_layers: also return the outputs of these decoder layers (after both residual adds, as
+        the residual stream carries them into the next layer), concatenated in that order [N, n * H];
+        reading them changes no computation."""
         x, residual = self.embed(ctx.input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer.forward_residual(x, residual, ctx, defer_output=True)
-        return add_norm(x, residual, self.model.norm)[1]
+        streams: dict[int, torch.Tensor] = {}  # layer -> its output
+        for i, layer in enumerate(self.model.layers):
+            residual, h = layer.enter(x, residual)
+            if i - 1 in export_layers:
+                streams[i - 1] = residual
+            x, residual = layer.mix(residual, h, ctx, defer_output=True)
+        streams[len(self.model.layers) - 1], hidden = add_norm(x, residual, self.model.norm)
+        if not export_layers:
+            return hidden
+        return hidden, torch.cat([streams[i] for i in export_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [M, H] -> [M, V] fp32
         """Logits over the whole vocabulary (each rank's slice gathered in rank order); upcast=False

@@ -34,6 +34,8 @@ class MTPDraftState:
 
 
 class MTPMethod:
+    target_layers = ()  # reads the post-norm hidden alone
+
     def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
                  cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         """cuda_graphs: draft greedy batches through CUDA graphs where supported; max_blocks_per_seq: the

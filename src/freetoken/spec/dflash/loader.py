@@ -1,0 +1,38 @@
+"""Build a unified checkpoint's DFlash draft (`draft_heads["dflash"]`, tensors under `dflash.*`) for its target."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.errors import CheckpointError
+from freetoken.spec.dflash.draft import DFlashConfig, DFlashDraft
+
+PREFIX = "dflash."
+
+
+@torch.no_grad()
+def load_draft(source, head: dict, target_num_layers: int, target_hidden_size: int, *, device: torch.device | str, dtype: torch.dtype,
+               origin: str | None = None) -> DFlashDraft:
+    """The draft described by `head` (the manifest's draft_heads["dflash"]) with its weights from
+    `source` (anything with get(name)), checked against the target it drafts for."""
+    try:
+        cfg = DFlashConfig.from_dict(head)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"malformed DFlash draft entry in the manifest ({type(exc).__name__}: {exc})", origin) from None
+    if cfg.hidden_size != target_hidden_size:
+        raise CheckpointError(f"the DFlash draft's hidden size {cfg.hidden_size} differs from the target's {target_hidden_size}", origin)
+    outside = [i for i in cfg.target_layer_ids if not 0 <= i < target_num_layers]
+    if outside:
+        raise CheckpointError(f"the DFlash draft reads target layers {outside}, outside the target's {target_num_layers}", origin)
+    with torch.device("meta"):
+        draft = DFlashDraft(cfg)
+    draft = draft.to_empty(device=device).to(dtype).eval()
+    for name, param in draft.named_parameters():
+        try:
+            tensor = source.get(PREFIX + name)
+        except (KeyError, CheckpointError) as exc:
+            raise CheckpointError(f"missing tensor {PREFIX + name}", origin) from exc
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(f"tensor {PREFIX + name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}", origin)
+        param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+    return draft

@@ -1,0 +1,122 @@
+"""Drives a DFlash draft through the spec protocol.
+
+A DFlash draft reads the outputs of a few target layers (`target_layers`, the draft's taps): every
+committed target row p becomes one context row of the draft, its K and V in each draft layer, a
+function of (the row's taps, p) alone (`DFlashDraft.context_kv`). observe appends those rows;
+propose runs one block per request, [anchor, mask x (B - 1)] at positions start .. start + B - 1
+(start = the request's cached tokens, the anchor its last token, not yet run by the target), over
+the context rows 0 .. start - 1, and takes the first k of the B - 1 slots' tokens as drafts (slot j
+predicts the token at start + j). Every row the target commits (prefill chunks, the anchor and the
+accepted drafts of a verify) is observed once, so a request's context is always rows 0 .. start - 1,
+as in the dflash package's `dflash_generate` (reference/dflash.md §2). The draft holds no state
+beyond those rows, so a preempted request rebuilds them from its new prefill.
+
+The draft runs eagerly in torch, one block per request; the target's verify steps are not CUDA
+graphs with this method (the engine replays only forwards that export no layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from freetoken import sampling
+from freetoken.engine.request import Request
+from freetoken.engine.spec_protocol import CommittedRows, Proposal
+from freetoken.errors import FreetokenError
+
+
+@dataclass
+class DFlashContext:
+    """A request's draft context: K and V of its committed rows 0 .. num_rows - 1 in every draft layer."""
+
+    keys: torch.Tensor  # [L, kv, capacity, hd]
+    values: torch.Tensor  # [L, kv, capacity, hd]
+    num_rows: int
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:  # [L, kv, m, hd] each
+        """Add m rows after the held ones, doubling the capacity when full."""
+        m = keys.shape[2]
+        if self.num_rows + m > self.keys.shape[2]:
+            capacity = max(2 * self.keys.shape[2], self.num_rows + m)
+            self.keys, self.values = (_grown(t, self.num_rows, capacity) for t in (self.keys, self.values))
+        self.keys[:, :, self.num_rows : self.num_rows + m] = keys
+        self.values[:, :, self.num_rows : self.num_rows + m] = values
+        self.num_rows += m
+
+
+def _grown(rows: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
+    out = rows.new_empty(rows.shape[:2] + (capacity,) + rows.shape[3:])
+    out[:, :, :used] = rows[:, :, :used]
+    return out
+
+
+class DFlashMethod:
+    def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
+                 cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
+        """kv_pool, cuda_graphs and max_blocks_per_seq are unused: the draft keeps its own context rows."""
+        draft = model.draft_network("dflash")
+        if draft is None:
+            raise FreetokenError("the checkpoint has no DFlash draft (convert it with --dflash DRAFT_DIR); use --spec none", origin)
+        block_size = draft.config.block_size
+        if not 1 <= num_draft_tokens <= block_size - 1:
+            raise FreetokenError(f"--spec dflash drafts 1 to {block_size - 1} tokens a step (its block holds {block_size}), not {num_draft_tokens}", origin)
+        self.draft, self.device = draft, device
+        self.embed, self.compute_logits = model.embed, model.compute_logits
+        self.num_draft_tokens = num_draft_tokens
+        self.target_layers: tuple[int, ...] = tuple(draft.config.target_layer_ids)
+        self.mask_token_id = draft.config.mask_token_id
+
+    def observe(self, rows: Sequence[CommittedRows]) -> None:
+        """Append each request's committed rows to its draft context (their K and V in every draft layer)."""
+        for r in rows:
+            m = r.layer_hidden.shape[0]
+            state: DFlashContext | None = r.request.draft_state
+            held = 0 if state is None else state.num_rows
+            if r.first_position != held:
+                raise RuntimeError(f"request {r.request.request_id}: committed rows start at {r.first_position}, its DFlash context holds {held}")
+            positions = torch.arange(r.first_position, r.first_position + m, device=self.device)
+            keys, values = self.draft.context_kv(self.draft.context(r.layer_hidden), positions)
+            if state is None:
+                state = r.request.draft_state = DFlashContext(keys.new_empty(keys.shape[:2] + (0,) + keys.shape[3:]), values.new_empty(values.shape[:2] + (0,) + values.shape[3:]), 0)
+            state.append(keys, values)
+
+    def _block_hidden(self, request: Request) -> torch.Tensor:  # -> [B - 1, H]
+        """The draft's output for slots 1 .. B - 1 of the request's next block."""
+        start, block_size = request.num_cached_tokens, self.draft.config.block_size
+        state: DFlashContext | None = request.draft_state
+        held = 0 if state is None else state.num_rows
+        if held != start:
+            raise RuntimeError(f"request {request.request_id}: its DFlash context holds {held} rows, its anchor is at {start}")
+        ids = torch.full((block_size,), self.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0] = request.last_token_id
+        if state is None:
+            keys = values = None
+        else:
+            keys, values = state.keys[:, :, :held], state.values[:, :, :held]
+        hidden = self.draft(self.embed(ids), torch.arange(start, start + block_size, device=self.device), keys, values, torch.arange(held, device=self.device))
+        return hidden[1:]
+
+    def propose(self, requests: Sequence[Request]) -> Proposal:
+        """k drafts per request from one draft block each; with sampled requests also their distributions q."""
+        k = self.num_draft_tokens
+        logits = torch.stack([self.compute_logits(self._block_hidden(r)[:k]) for r in requests])  # [b, k, V] fp32
+        if all(r.params.is_plain_greedy for r in requests):
+            return Proposal(logits.argmax(dim=-1).cpu(), None)
+        params = [r.params for r in requests]
+        drafted: list[list[int]] = [[] for _ in requests]
+        probs = []
+        for j in range(k):  # slot j's history holds the drafts before it (penalties, sampling.verify)
+            histories = [r.output_token_ids + d for r, d in zip(requests, drafted)]
+            tokens = sampling.sample(logits[:, j], params, histories, [r.generator for r in requests])
+            probs.append(sampling.probs(logits[:, j], params, histories))
+            for d, t in zip(drafted, tokens.tolist()):
+                d.append(t)
+        greedy = all(p.is_greedy for p in params)  # penalised greedy: deterministic drafts, no q
+        return Proposal(torch.tensor(drafted, dtype=torch.long), None if greedy else torch.stack(probs, dim=1))
+
+    def release(self, request: Request) -> None:
+        """Drop the request's draft context."""
+        request.draft_state = None
