@@ -228,7 +228,7 @@ def test_sliding_and_causal_masks_in_forward(causal):
     see it, and slot 0 sees slot 1, only when not causal."""
     draft = _random_draft("sliding_attention", 3, causal)
     g = torch.Generator().manual_seed(1)
-    n, a, b, h = 6, 6, 4, draft.cfg.hidden_size
+    n, a, b, h = 6, 6, 4, draft.config.hidden_size
     ctx_k, ctx_v = draft.context_kv(torch.randn(n, h, generator=g), torch.arange(n))
     embeds = torch.randn(b, h, generator=g)
 

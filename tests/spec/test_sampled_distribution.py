@@ -4,8 +4,9 @@ A tiny random checkpoint with a 32-token vocabulary, so the joint distribution o
 generated tokens (32 x 32 cells) is estimable from 2000 requests. Oracle: that joint computed
 exactly, in float64 and by hand, from transformers' logits: p(t1) from the prompt, p(t2 | t1)
 from prompt + t1 with t1 penalised (presence + frequency, over generated tokens), then
-temperature and the top-p nucleus. Both the plain engine and MTP (k = 2) must fit it, and each other
-(two-sample chi-square).
+temperature and the top-p nucleus. The plain engine, MTP (k = 2) and a random DFlash draft (k = 3,
+its q from its own logits under the same penalties, temperature and top-p) must fit it, and the
+speculative runs must fit the plain one (two-sample chi-square).
 
 Threshold: Pearson's chi-square goodness of fit over cells with expected count >= 5 (the rest
 pooled into one cell), rejected at p < 1e-3. Every request has its own seeded stream, so each run
@@ -86,8 +87,11 @@ def test_sampled_spec_and_plain_fit_the_exact_distribution(tiny_checkpoint):
     plain, _ = _sample_counts(model, "none", 0)
     spec, engine = _sample_counts(model, "mtp", 2)
     assert engine.stats.num_verifies > 0 and engine.stats.accepted_per_position[0] > 0  # drafts were accepted
+    model.attached_drafts["dflash"] = _random_dflash_draft(model.config.hidden_size)
+    dflash, engine = _sample_counts(model, "dflash", 3)
+    assert engine.stats.num_verifies > 0 and engine.stats.accepted_per_position[0] > 0
 
-    for name, counts in (("plain", plain), ("mtp k=2", spec)):
+    for name, counts in (("plain", plain), ("mtp k=2", spec), ("dflash k=3", dflash)):
         assert counts[exact == 0].sum() == 0, f"{name}: tokens outside the top-p nucleus"
         assert _chi2_pvalue(counts, exact) > 1e-3, name
         repeats = counts.diagonal().sum().item()
@@ -95,6 +99,23 @@ def test_sampled_spec_and_plain_fit_the_exact_distribution(tiny_checkpoint):
             z = abs(repeats - N * p) / (N * p * (1 - p)) ** 0.5
             assert (z < 4) if near else (z > 5), f"{name}: {repeats} repeated tokens, expected {N * p:.1f} ({'with' if near else 'without'} penalties)"
     assert _two_sample_pvalue(plain, spec, exact) > 1e-3
+    assert _two_sample_pvalue(plain, dflash, exact) > 1e-3
+
+
+def _random_dflash_draft(hidden_size: int):
+    """A 2-layer DFlash draft (block 4, taps 0 and 2, mask id 28) with fixture-style random weights."""
+    from freetoken.spec.dflash.draft import DFlashConfig, DFlashDraft
+
+    cfg = DFlashConfig("DFlashDraftModel", hidden_size, 2, 4, 2, 16, 128, 1e-6, 1e7, 4, 28, (0, 2), ("full_attention",) * 2, None, (False, False), False)
+    draft = DFlashDraft(cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.15 * torch.randn(param.shape, generator=g))
+            else:
+                param.copy_(torch.randn(param.shape, generator=g) * max(0.05, param.shape[1] ** -0.5))
+    return draft
 
 
 def _two_sample_pvalue(a: torch.Tensor, b: torch.Tensor, probs: torch.Tensor) -> float:

@@ -198,7 +198,7 @@ class DFlashDraft(nn.Module):
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
-        self.cfg = cfg
+        self.config = cfg
         self.fc = _Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -208,7 +208,7 @@ class DFlashDraft(nn.Module):
         """[head_dim / 2] fp32 RoPE frequencies over the whole head, computed once per device."""
         cached = self.__dict__.get("_inv_freq_cache")
         if cached is None or cached.device != device:
-            cached = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device=device)
+            cached = rope_inv_freq(self.config.head_dim, self.config.rope_theta, device=device)
             self.__dict__["_inv_freq_cache"] = cached
         return cached
 

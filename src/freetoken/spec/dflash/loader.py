@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.errors import CheckpointError
+from freetoken.errors import CheckpointError, FreetokenError
 from freetoken.spec.dflash.draft import DFlashConfig, DFlashDraft
 
 PREFIX = "dflash."
@@ -17,6 +17,8 @@ def load_draft(source, head: dict, target_num_layers: int, target_hidden_size: i
     `source` (anything with get(name)), checked against the target it drafts for."""
     try:
         cfg = DFlashConfig.from_dict(head)
+    except FreetokenError as exc:
+        raise type(exc)(str(exc), origin) from None
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"malformed DFlash draft entry in the manifest ({type(exc).__name__}: {exc})", origin) from None
     if cfg.hidden_size != target_hidden_size:

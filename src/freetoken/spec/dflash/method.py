@@ -92,8 +92,9 @@ class DFlashMethod:
             raise RuntimeError(f"request {request.request_id}: its DFlash context holds {held} rows, its anchor is at {start}")
         ids = torch.full((block_size,), self.mask_token_id, dtype=torch.long, device=self.device)
         ids[0] = request.last_token_id
-        if state is None:
-            keys = values = None
+        if state is None:  # a one-token prompt: no committed row yet
+            cfg = self.draft.config
+            keys = values = torch.empty(cfg.num_hidden_layers, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=self.draft.norm.weight.dtype, device=self.device)
         else:
             keys, values = state.keys[:, :, :held], state.values[:, :, :held]
         hidden = self.draft(self.embed(ids), torch.arange(start, start + block_size, device=self.device), keys, values, torch.arange(held, device=self.device))
