@@ -1,4 +1,4 @@
-"""`freetoken convert SRC DST`: any supported checkpoint -> unified checkpoint, with a byte progress bar.
+"""`freetoken convert SRC DST [--dflash DRAFT]`: any supported checkpoint (and a DFlash draft for it) -> unified checkpoint, with a byte progress bar.
 
 The source format is detected (`freetoken.converters.detect`); the work is done by
 `freetoken.converters.convert`. Errors the user can fix are FreetokenError and propagate to the
@@ -34,16 +34,21 @@ def parse_size(text: str) -> int:
     return int(float(m[1]) * _UNITS[m[2].upper()])
 
 
-def _source_bytes(src: str, mtp: str | None) -> int:
-    """Bytes of weights to convert, for the progress bar's total (an estimate when casting)."""
+def _weight_bytes(src: str | None) -> int:
+    """Bytes of weights in a file or a directory's *.safetensors; 0 when absent."""
+    if not src:
+        return 0
     path = Path(src)
     if path.is_file():
-        total = path.stat().st_size
-    elif path.is_dir():
-        total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    else:
-        total = 0
-    return total + (Path(mtp).stat().st_size if mtp and Path(mtp).is_file() else 0)
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return 0
+
+
+def _source_bytes(src: str, mtp: str | None, dflash: str | None) -> int:
+    """Bytes of weights to convert, for the progress bar's total (an estimate when casting)."""
+    return _weight_bytes(src) + _weight_bytes(mtp) + _weight_bytes(dflash)
 
 
 def convert(
@@ -54,6 +59,7 @@ def convert(
     text_only: Annotated[bool, typer.Option("--text-only", help="Drop the vision tower (model.visual.*).")] = False,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Maximum shard size, e.g. 5GB or 2GiB.")] = "5GB",
     mtp: Annotated[str | None, typer.Option("--mtp", help="GGUF sources: a separate mtp-*.gguf MTP head.")] = None,
+    dflash: Annotated[str | None, typer.Option("--dflash", help="A DFlash draft directory (config.json + model.safetensors) for this target, stored under dflash.*.")] = None,
 ) -> None:
     """Convert a checkpoint into freetoken's unified format."""
     import torch
@@ -67,9 +73,9 @@ def convert(
     console = Console(stderr=True)
     columns = (TextColumn("converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("convert", total=_source_bytes(src, mtp) or None)
+        task = bar.add_task("convert", total=_source_bytes(src, mtp, dflash) or None)
         manifest = run_convert(
-            src, dst, force=force, dtype=cast, text_only=text_only, shard_size=size, mtp=mtp,
+            src, dst, force=force, dtype=cast, text_only=text_only, shard_size=size, mtp=mtp, dflash=dflash,
             progress=lambda n: bar.advance(task, n),
         )
     shards = len({info["shard"] for info in manifest.tensors.values()})

@@ -52,6 +52,14 @@ def _config_rows(cfg, shapes: dict[str, list[int]]) -> Rows:
     return rows
 
 
+def _head_summary(name: str, entry: dict) -> str:
+    """One draft head as shown by inspect: the DFlash draft's shape in words, other heads' fields as key=value."""
+    if name == "dflash":
+        return (f"dflash (block size {entry['block_size']}, {entry['num_hidden_layers']} layers, "
+                f"taps {entry['target_layer_ids']}, mask id {entry['mask_token_id']})")
+    return f"{name} ({', '.join(f'{k}={v}' for k, v in entry.items())})"
+
+
 def _unified_rows(path: Path) -> Rows:
     from freetoken.checkpoint import UnifiedCheckpoint
     from freetoken.models.qwen3_5.config import Qwen35Config
@@ -63,7 +71,7 @@ def _unified_rows(path: Path) -> Rows:
     rows: Rows = [("format", "freetoken unified checkpoint"), ("family", m.family)]
     if m.family == "qwen3_5":
         rows += _config_rows(Qwen35Config.from_dict(m.config), shapes)
-    heads = ", ".join(f"{k} ({', '.join(f'{a}={b}' for a, b in v.items())})" for k, v in m.draft_heads.items()) or "none"
+    heads = "\n".join(_head_summary(k, v) for k, v in m.draft_heads.items()) or "none"
     rows += [
         ("draft heads", heads),
         ("vision tower", "yes" if any(n.startswith("model.visual.") for n in shapes) else "no"),

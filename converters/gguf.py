@@ -453,11 +453,11 @@ def _load_scaled(g: GgufFile, name: str) -> torch.Tensor:
     return t
 
 
-def _stream(plan: _Plan, cfg) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(plan: _Plan, cfg, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for item in plan.items:
         parts = [_undo(_load_scaled(g, n), undo, cfg) for g, n, undo in item.parts]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        yield item.name, t.contiguous()
+        yield item.name, t.to(dtype).contiguous()
 
 
 # ---------------------------------------------------------------- public API
@@ -471,6 +471,7 @@ def convert_gguf(
     force: bool = False,
     dtype: torch.dtype | None = None,
     shard_size: int = 5 * 10**9,
+    dflash: str | Path | None = None,
     progress: Callable[[int], None] | None = None,
 ):
     """Convert a qwen35 / qwen35moe GGUF (+ optional MTP head) into a unified checkpoint at `dst`.
@@ -479,8 +480,9 @@ def convert_gguf(
     target's own nextn block, else from the one `mtp-*.gguf` beside the target (recorded in
     provenance.sources, nothing printed). Tensors are written as `dtype` (default bfloat16: the
     released checkpoints are bf16 and llama.cpp's F32 files hold their exact upcasts; pass
-    torch.float32 to keep dequantized values unrounded). Everything is validated before writing.
-    Returns the Manifest.
+    torch.float32 to keep dequantized values unrounded). `dflash`: a DFlash draft directory
+    converted with it (under `dflash.*`, `converters/dflash.py`; its tensors keep their dtype
+    unless `dtype` is given). Everything is validated before writing. Returns the Manifest.
     """
     from freetoken import __version__
     from freetoken.checkpoint.manifest import Provenance, hash_file
@@ -516,15 +518,22 @@ def convert_gguf(
 
     sources = tuple(hash_file(p) for p in target.paths + (head.paths if head is not None else []))
     provenance = Provenance(converter="gguf", freetoken_version=__version__, sources=sources, transforms=tuple(plan.transforms))
+    config = cfg.to_dict()
+    tensors = _stream(plan, cfg, dtype if dtype is not None else torch.bfloat16)
+    draft_heads = {"mtp": {"num_layers": n_mtp}} if with_mtp else {}
+    if dflash is not None:
+        from freetoken.converters.dflash import read_dflash
+
+        tensors, draft_heads, provenance = read_dflash(dflash, config).attach(tensors, draft_heads, provenance)
     return write_checkpoint(
         dst,
         family="qwen3_5",
-        config=cfg.to_dict(),
-        tensors=_stream(plan, cfg),
-        draft_heads={"mtp": {"num_layers": n_mtp}} if with_mtp else {},
+        config=config,
+        tensors=tensors,
+        draft_heads=draft_heads,
         tokenizer_files=tok_files,
         provenance=provenance,
-        dtype=dtype if dtype is not None else torch.bfloat16,
+        dtype=dtype,
         shard_size=shard_size,
         force=force,
         progress=progress,

@@ -242,9 +242,13 @@ def convert_hf(
     dtype: torch.dtype | None = None,
     text_only: bool = False,
     shard_size: int = 5 * 10**9,
+    dflash: str | Path | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
-    """Convert an HF checkpoint directory (or a cached repo id) into a unified checkpoint at `dst`."""
+    """Convert an HF checkpoint directory (or a cached repo id) into a unified checkpoint at `dst`.
+
+    `dflash`: a DFlash draft directory converted with it (under `dflash.*`, `converters/dflash.py`).
+    """
     dst = Path(dst)
     if dst.exists() and not force:
         raise OutputExistsError("output exists (use --force to replace it)", dst)
@@ -253,14 +257,20 @@ def convert_hf(
     if source.vision_config is not None:
         config["vision_config"] = source.vision_config
     n_mtp = source.config.mtp_num_hidden_layers
+    tensors, provenance = source.tensors, source.provenance
+    draft_heads = {"mtp": {"num_layers": n_mtp}} if n_mtp else {}
+    if dflash is not None:
+        from freetoken.converters.dflash import read_dflash
+
+        tensors, draft_heads, provenance = read_dflash(dflash, config).attach(tensors, draft_heads, provenance)
     return write_checkpoint(
         dst,
         family="qwen3_5",
         config=config,
-        tensors=source.tensors,
-        draft_heads={"mtp": {"num_layers": n_mtp}} if n_mtp else {},
+        tensors=tensors,
+        draft_heads=draft_heads,
         tokenizer_files=source.tokenizer_files,
-        provenance=source.provenance,
+        provenance=provenance,
         dtype=dtype,
         shard_size=int(shard_size),
         force=force,

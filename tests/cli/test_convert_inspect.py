@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from freetoken.checkpoint import UnifiedCheckpoint
-from freetoken.errors import CheckpointError, FreetokenError, OutputExistsError
+from freetoken.errors import CheckpointError, FreetokenError, OutputExistsError, UnsupportedModelError
 
 from tests.conftest import FIXTURES
 
@@ -44,7 +44,7 @@ def app() -> typer.Typer:
 
 
 def _run(app, *args: str):
-    return CliRunner().invoke(app, [str(a) for a in args])
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
 
 
 def test_convert_with_options(app, tmp_path):
@@ -108,3 +108,41 @@ def test_inspect_gguf(app):
 def test_inspect_not_a_checkpoint(app, tmp_path):
     res = _run(app, "inspect", tmp_path)
     assert res.exit_code != 0 and isinstance(res.exception, CheckpointError) and "not a checkpoint" in str(res.exception)
+
+
+DRAFTS = FIXTURES / "qwen35_dense_dflash"
+
+
+@pytest.mark.parametrize("target", [FIXTURES / "qwen35_dense" / "hf", FIXTURES / "qwen35_dense" / "gguf" / "qwen35-dense-f32.gguf"])
+def test_convert_and_inspect_with_dflash(app, tmp_path, target):
+    res = _run(app, "convert", target, tmp_path / "out", "--dflash", DRAFTS / "dflash")
+    assert res.exit_code == 0, res.output
+    assert "draft heads: mtp, dflash" in res.output
+    draft = load_file(DRAFTS / "dflash" / "model.safetensors")
+    ck = UnifiedCheckpoint.open(tmp_path / "out")
+    assert all(torch.equal(ck.get(f"dflash.{n}"), t) for n, t in draft.items())
+    res = _run(app, "inspect", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert "dflash (block size 4, 2 layers, taps [0, 2], mask id 1023)" in res.output
+    assert "mtp (num_layers=1)" in res.output and "DFlash draft from" in res.output
+
+
+def test_convert_dflash_errors(app, tmp_path):
+    target = FIXTURES / "qwen35_dense" / "hf"
+    res = _run(app, "convert", DRAFTS / "dflash", tmp_path / "a", "--dflash", DRAFTS / "dflash")
+    assert res.exit_code != 0 and isinstance(res.exception, CheckpointError)
+    assert str(res.exception) == f"{DRAFTS / 'dflash'}: a DFlash draft, not a target: pass it with --dflash next to its target"
+    res = _run(app, "convert", target, tmp_path / "b", "--dflash", DRAFTS / "dflash2")
+    assert res.exit_code != 0 and isinstance(res.exception, UnsupportedModelError)
+    assert str(res.exception).startswith(f"{DRAFTS / 'dflash2' / 'config.json'}: DFlash2 drafts are not supported yet")
+    res = _run(app, "convert", target, tmp_path / "c", "--dflash", tmp_path / "nothing")
+    assert res.exit_code != 0 and "nothing: no such file or directory" in str(res.exception)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_total_counts_the_draft():
+    source_bytes = importlib.import_module("freetoken.cli.convert")._source_bytes
+    target, draft = FIXTURES / "qwen35_dense" / "hf", DRAFTS / "dflash"
+    sizes = [(target / "model.safetensors").stat().st_size, (draft / "model.safetensors").stat().st_size]
+    assert source_bytes(str(target), None, str(draft)) == sum(sizes)
+    assert source_bytes(str(target), None, None) == sizes[0]
