@@ -29,6 +29,12 @@ for family in qwen35_dense qwen35_moe; do
     echo "# freetoken parity $family (commit $commit): exit $?" >> "$OUT/parity-$family.log"
     rm -rf "$tmp"
 done
+# DFlash: the dense fixture with its DFlash draft (block size 4: k up to 3)
+tmp=$(mktemp -d)
+freetoken convert "$FIXTURES/qwen35_dense/hf" "$tmp/dflash" --dflash "$FIXTURES/qwen35_dense_dflash/dflash" > /dev/null
+freetoken parity "$tmp/dflash" --spec dflash --device cuda --dtype bfloat16 -k 1 -k 2 -k 3 -n 64 --json "$OUT/parity-gpu-bf16-dflash.json" > "$OUT/parity-dflash.log" 2>&1
+echo "# freetoken parity --spec dflash qwen35_dense (commit $commit): exit $?" >> "$OUT/parity-dflash.log"
+rm -rf "$tmp"
 
 # 256 new tokens: 64 verify steps at full acceptance (at 64 tokens, 16 steps moved the speedup a few
 # percent between processes: logs/qwen3.5-9b-b1-oracle-k3-glue-*-af298fe.json)

@@ -6,20 +6,20 @@ hidden states of some target layers, so it is converted together with its target
 the target's normalized config before any weight is read, and returns a `DFlashDraft` whose
 `attach` adds the draft to the target's tensors, draft heads and provenance. The draft's tensors
 keep their names under the prefix `dflash.`; the manifest entry `draft_heads["dflash"]` is
-`DFlashConfig.to_dict()`.
+`DFlashConfig.to_dict()` (spec/dflash/config.py).
 
 Config keys the `dflash` package reads from `dflash_config` first, then from the top level
 (`block_size`, `mask_token_id`, `target_layer_ids`), are read the same way here
 (`../shared/reference/dflash.md` §1.1).
 
-Layout: DFlashConfig, build_target_layer_ids, config parsing (`_draft_config` and its helpers),
+Layout: build_target_layer_ids, config parsing (`_draft_config` and its helpers),
 tensor checks (`expected_tensors`, `_validate_tensors`), DFlashDraft, read_dflash.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -30,48 +30,18 @@ from safetensors import safe_open
 from freetoken.checkpoint import Provenance, SourceFile, hash_file, read_safetensors_header
 from freetoken.converters.detect import resolve_source
 from freetoken.converters.hf import _first, _load_json
-from freetoken.errors import CheckpointError, UnsupportedModelError
+from freetoken.errors import CheckpointError, FreetokenError, UnsupportedModelError
+from freetoken.spec.dflash.config import LAYER_TYPES, DFlashConfig
 
 PREFIX = "dflash."
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_BLOCK_SIZE = 16  # the dflash package's default
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta, which Qwen3Config falls back to
 DEFAULT_HEAD_DIM = 128  # Qwen3Config's default
 DEFAULT_RMS_NORM_EPS = 1e-6  # Qwen3Config's default
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-
-
-@dataclass(frozen=True)
-class DFlashConfig:
-    """Normalized config of a DFlash (v1) draft; `to_dict()` is the manifest's `draft_heads["dflash"]`."""
-
-    architecture: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]  # 0-based target layers whose outputs the draft reads, in order
-    layer_types: tuple[str, ...]  # per draft layer: "full_attention" | "sliding_attention"
-    sliding_window: int | None  # None when no layer is sliding
-    causal: tuple[bool, ...]  # per draft layer: causal within the block, else bidirectional
-    attention_bias: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
-        """Inverse of `to_dict` (a manifest's `draft_heads["dflash"]`)."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -222,7 +192,7 @@ def _draft_config(raw: dict, target: dict, path: Path) -> DFlashConfig:
         raise CheckpointError(f"hidden_size {backbone['hidden_size']} differs from the target's {target['hidden_size']} (the draft reads the target's embeddings and hidden states)", path)
     num_layers = backbone["num_hidden_layers"]
     layer_types = _layer_types(raw, num_layers, path)
-    return DFlashConfig(
+    fields = dict(
         architecture=ARCHITECTURE,
         **backbone,
         rope_theta=_rope_theta(raw, path),
@@ -234,6 +204,10 @@ def _draft_config(raw: dict, target: dict, path: Path) -> DFlashConfig:
         causal=_causal(raw, layer_types, path),
         attention_bias=False,
     )
+    try:
+        return DFlashConfig(**fields)
+    except FreetokenError as e:  # the config's own checks (head counts, windows), named by this file
+        raise type(e)(str(e), path) from None
 
 
 # ---------------------------------------------------------------- tensors

@@ -23,7 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from freetoken.errors import FreetokenError, UnsupportedModelError
-from freetoken.spec.dflash.draft import DFlashConfig, DFlashDraft, attention_mask
+from freetoken.spec.dflash.config import DFlashConfig
+from freetoken.spec.dflash.draft import DFlashDraft, attention_mask
 from tests.conftest import FIXTURES
 
 DRAFT_DIR = FIXTURES / "qwen35_dense_dflash" / "dflash"

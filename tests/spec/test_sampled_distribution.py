@@ -104,7 +104,8 @@ def test_sampled_spec_and_plain_fit_the_exact_distribution(tiny_checkpoint):
 
 def _random_dflash_draft(hidden_size: int):
     """A 2-layer DFlash draft (block 4, taps 0 and 2, mask id 28) with fixture-style random weights."""
-    from freetoken.spec.dflash.draft import DFlashConfig, DFlashDraft
+    from freetoken.spec.dflash.config import DFlashConfig
+    from freetoken.spec.dflash.draft import DFlashDraft
 
     cfg = DFlashConfig("DFlashDraftModel", hidden_size, 2, 4, 2, 16, 128, 1e-6, 1e7, 4, 28, (0, 2), ("full_attention",) * 2, None, (False, False), False)
     draft = DFlashDraft(cfg).eval()

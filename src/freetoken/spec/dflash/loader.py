@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from freetoken.errors import CheckpointError, FreetokenError
-from freetoken.spec.dflash.draft import DFlashConfig, DFlashDraft
+from freetoken.spec.dflash.config import DFlashConfig
+from freetoken.spec.dflash.draft import DFlashDraft
 
 PREFIX = "dflash."
 
