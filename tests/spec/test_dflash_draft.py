@@ -33,7 +33,7 @@ TARGET = FIXTURES / "qwen35_dense" / "hf" / "model.safetensors"
 SEQS = [0, 1, 2]
 
 needs_fixtures = pytest.mark.skipif(not (DRAFT_DIR.is_dir() and REF.is_file() and TARGET.is_file()), reason=f"DFlash fixtures not found under {FIXTURES}")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TINY = {
     "architecture": "DFlashDraftModel", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
