@@ -12,7 +12,7 @@ memory-mapped checkpoint, never the whole tensor.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 import torch
@@ -50,13 +50,25 @@ def build_empty(family: str, config: dict[str, Any], *, with_mtp: bool, device: 
 @torch.no_grad()
 def load_model(source: TensorSource, family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, origin: str | None = None, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
     model = build_empty(family, config, with_mtp=with_mtp, device=device, dtype=dtype, parallel=parallel)
-    for name, param in model.named_parameters():
+
+    def read(name: str) -> torch.Tensor:
         spec = shard_spec_of(model, name) if parallel.is_parallel else None
-        try:
-            tensor = source.get(name) if spec is None else read_shard(source, name, spec)
-        except (KeyError, CheckpointError) as exc:
-            raise CheckpointError(f"missing tensor {name}", origin) from exc
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}", origin)
-        param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        return source.get(name) if spec is None else read_shard(source, name, spec)
+
+    fill_parameters(model, read, origin=origin)
     return model
+
+
+@torch.no_grad()
+def fill_parameters(module: torch.nn.Module, read: Callable[[str], torch.Tensor], *, prefix: str = "", origin: str | None = None) -> None:
+    """Copy read(prefix + name) into each parameter `name` of module, checking that it exists and
+    has the parameter's shape (a CheckpointError naming `origin` otherwise)."""
+    for name, param in module.named_parameters():
+        stored = prefix + name
+        try:
+            tensor = read(stored)
+        except (KeyError, CheckpointError) as exc:
+            raise CheckpointError(f"missing tensor {stored}", origin) from exc
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(f"tensor {stored} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}", origin)
+        param.copy_(tensor.to(device=param.device, dtype=param.dtype))

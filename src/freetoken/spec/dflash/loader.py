@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.errors import CheckpointError, FreetokenError
+from freetoken.models.loader import fill_parameters
 from freetoken.spec.dflash.config import DFlashConfig
 from freetoken.spec.dflash.draft import DFlashDraft
 
@@ -30,12 +31,5 @@ def load_draft(source, head: dict, target_num_layers: int, target_hidden_size: i
     with torch.device("meta"):
         draft = DFlashDraft(cfg)
     draft = draft.to_empty(device=device).to(dtype).eval()
-    for name, param in draft.named_parameters():
-        try:
-            tensor = source.get(PREFIX + name)
-        except (KeyError, CheckpointError) as exc:
-            raise CheckpointError(f"missing tensor {PREFIX + name}", origin) from exc
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(f"tensor {PREFIX + name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}", origin)
-        param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+    fill_parameters(draft, source.get, prefix=PREFIX, origin=origin)
     return draft
