@@ -36,9 +36,7 @@ import importlib.util
 import json
 import math
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -163,7 +161,8 @@ def demo_target(ckpt):
     """The target's weights in train_demo.py's parallel (training) form of the architecture, fp32."""
     td = _train_demo()
     model = td.Qwen35Demo(td.ModelConfig.from_hf(ckpt.config))
-    model.load_state_dict({name: ckpt.get(name).float() for name in ckpt.tensor_names()}, strict=True)
+    names = [n for n in ckpt.tensor_names() if not n.startswith("dflash.")]  # a draft the target may already carry
+    model.load_state_dict({name: ckpt.get(name).float() for name in names}, strict=True)
     return model.eval()
 
 
@@ -291,7 +290,7 @@ def block_losses(draft, embed: torch.Tensor, feats, hidden, tokens, anchors, cfg
     Slot j (1..B-1) of the block at a predicts the token at a+j: CE against the text's token, and
     KL from the target's distribution at a+j (its logits at a+j-1) to the draft's. Also returns the
     per-slot agreement of the draft's argmax with the target's."""
-    B, (V, H) = cfg.block_size, embed.shape
+    B, H = cfg.block_size, embed.shape[1]
     W, n = anchors.shape
     ids = torch.full((W, n, B), mask_id, dtype=torch.long)
     ids[..., 0] = torch.gather(tokens, 1, anchors)
@@ -389,23 +388,30 @@ def heldout_agreement(draft, embed, feats, hidden, tokens, cfg: DraftTrainConfig
 
 
 def acceptance(target: Path, draft_dir: Path, prompts: list[str], cfg: DraftTrainConfig) -> dict:
-    """Greedy `--spec dflash` through freetoken's LLM on the prompts, for each k in cfg.eval_k: the
-    target and the written (bf16) draft joined by `convert`, fp32 on CPU as `freetoken generate` runs."""
-    from freetoken.converters import convert
+    """Greedy `--spec dflash` through freetoken's LLM on the prompts, for each k in cfg.eval_k, fp32 on
+    CPU as `freetoken generate` runs: the target with the written (bf16) draft, read and checked by
+    the converter's `read_dflash` and built by the runtime's `load_draft` (in place of any draft the
+    target already carries)."""
+    from freetoken.converters.dflash import read_dflash
     from freetoken.engine.config import EngineConfig
     from freetoken.llm import LLM
     from freetoken.sampling import SamplingParams
+    from freetoken.spec.dflash.loader import load_draft
 
+    llm = LLM(target, EngineConfig(max_num_seqs=16, max_model_len=8192))
+    draft = read_dflash(draft_dir, llm.checkpoint.config)
+    tensors = dict(draft.tensors())
+    source = type("Tensors", (), {"get": staticmethod(tensors.__getitem__)})
+    config = llm.model.config
+    llm.model.attached_drafts["dflash"] = load_draft(source, draft.config.to_dict(), config.num_hidden_layers, config.hidden_size,
+                                                     device="cpu", dtype=torch.float32, origin=str(draft_dir))
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        joined = Path(tmp) / "with-draft"
-        convert(target, joined, dflash=draft_dir)
-        for k in cfg.eval_k:
-            config = EngineConfig(spec="dflash", num_draft_tokens=k, max_num_seqs=16, max_model_len=8192)
-            _, stats = LLM(joined, config).generate(prompts, SamplingParams(max_new_tokens=cfg.eval_new_tokens))
-            results[f"k{k}"] = asdict(stats)
-            print(f"k={k}: acceptance per position {[round(a, 3) for a in stats.acceptance_per_position]}, "
-                  f"mean accepted length {stats.mean_accepted_len:.3f} ({stats.decode_steps} target steps, {stats.seconds:.0f} s)", flush=True)
+    for k in cfg.eval_k:
+        engine = replace(llm.config, spec="dflash", num_draft_tokens=k)
+        _, stats = llm.generate(prompts, SamplingParams(max_new_tokens=cfg.eval_new_tokens), config=engine)
+        results[f"k{k}"] = asdict(stats)
+        print(f"k={k}: acceptance per position {[round(a, 3) for a in stats.acceptance_per_position]}, "
+              f"mean accepted length {stats.mean_accepted_len:.3f} ({stats.decode_steps} target steps, {stats.seconds:.0f} s)", flush=True)
     return results
 
 
