@@ -1,5 +1,7 @@
 """`freetoken convert SRC DST [--dflash DRAFT]`: any supported checkpoint (and a DFlash draft for it) -> unified checkpoint, with a byte progress bar.
 
+A unified SRC is accepted only with --dflash: it is copied with the draft added.
+
 The source format is detected (`freetoken.converters.detect`); the work is done by
 `freetoken.converters.convert`. Errors the user can fix are FreetokenError and propagate to the
 app's `main()`, which prints them as one line.
@@ -52,7 +54,7 @@ def _source_bytes(src: str, mtp: str | None, dflash: str | None) -> int:
 
 
 def convert(
-    src: Annotated[str, typer.Argument(help="HF checkpoint directory, cached HF repo id (org/name), or .gguf file.")],
+    src: Annotated[str, typer.Argument(help="HF checkpoint directory, cached HF repo id (org/name), .gguf file, or a unified checkpoint (with --dflash: adds the draft).")],
     dst: Annotated[str, typer.Argument(help="Output directory for the unified checkpoint.")],
     force: Annotated[bool, typer.Option("--force", help="Replace DST if it exists (only once the new one is complete).")] = False,
     dtype: Annotated[DType, typer.Option("--dtype", help="Cast floating tensors; auto keeps the source dtype.")] = DType.auto,

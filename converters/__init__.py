@@ -4,8 +4,9 @@
 converter of that format, imported lazily so that `freetoken --help` stays fast:
   hf    -> `hf.convert_hf`        (Hugging Face safetensors directory or cached repo id)
   gguf  -> `gguf.convert_gguf`    (a .gguf file, optionally with an `mtp-*.gguf` sidecar)
-Either target may take a DFlash draft directory (`dflash=`, read by `dflash.read_dflash`); a draft
-passed as the source itself is refused.
+  unified -> `unified.convert_unified` (only with `dflash=`: the checkpoint plus a DFlash draft)
+Any target may take a DFlash draft directory (`dflash=`, read by `dflash.read_dflash`); a draft
+passed as the source itself is refused, and so is a unified source without one.
 """
 
 from __future__ import annotations
@@ -46,5 +47,11 @@ def convert(
     if fmt == "dflash":
         raise CheckpointError("a DFlash draft, not a target: pass it with --dflash next to its target", path)
     if fmt == "unified":
-        raise CheckpointError("already a unified checkpoint; nothing to convert", path)
+        if dflash is None:
+            raise CheckpointError("already a unified checkpoint; nothing to convert (pass --dflash DRAFT_DIR to add a DFlash draft)", path)
+        if mtp is not None or text_only:
+            raise FreetokenError("a unified source is copied as it is: --mtp and --text-only do not apply (only --dflash, --dtype, --shard-size)", path)
+        from freetoken.converters.unified import convert_unified
+
+        return convert_unified(path, dst, dflash=dflash, force=force, dtype=dtype, shard_size=shard_size, progress=progress)
     raise UnsupportedModelError(f"no converter for {fmt} checkpoints yet", path)

@@ -151,9 +151,10 @@ SMOKE_TRAIN = TrainConfig(tokenizer_vocab=512, max_train_files=12, seq_len=64, b
 EXCLUDED_PARTS = {"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages", "encodings"}
 
 
-def stdlib_files() -> tuple[Path, list[Path]]:
-    """All stdlib .py sources except tests, IDLE, installed packages and the generated codec tables."""
-    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+def stdlib_files(root: Path | None = None) -> tuple[Path, list[Path]]:
+    """All stdlib .py sources except tests, IDLE, installed packages and the generated codec tables,
+    under `root` (default: the running interpreter's stdlib)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"]).resolve()
     files = [p for p in sorted(root.rglob("*.py"))
              if p.is_file() and not EXCLUDED_PARTS & set(p.relative_to(root).parts)]
     return root, files

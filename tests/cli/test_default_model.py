@@ -7,6 +7,7 @@ size budget of the issue, and transformers loading the shipped tensors under the
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -20,9 +21,13 @@ PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class S
 def test_default_model_is_shipped_and_small():
     files = [p for p in DEFAULT_MODEL_DIR.rglob("*") if p.is_file()]
     assert (DEFAULT_MODEL_DIR / "manifest.json").is_file() and (DEFAULT_MODEL_DIR / "tokenizer.json").is_file()
-    assert sum(p.stat().st_size for p in files) <= 16 * 2**20
     manifest = json.loads((DEFAULT_MODEL_DIR / "manifest.json").read_text())
-    assert "mtp" in manifest["draft_heads"]
+    assert {"mtp", "dflash"} <= set(manifest["draft_heads"])
+    draft = {name: info for name, info in manifest["tensors"].items() if name.startswith("dflash.")}
+    assert draft and all(info["dtype"] == "bfloat16" for info in draft.values())
+    draft_bytes = sum(2 * math.prod(info["shape"]) for info in draft.values())
+    assert draft_bytes <= 3 * 2**20  # the DFlash draft: a few MB
+    assert sum(p.stat().st_size for p in files) - draft_bytes <= 16 * 2**20  # the model with its MTP head
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -41,9 +46,10 @@ def test_parity_on_the_default_model(dtype, tmp_path):
         assert run["acceptance_per_position"][0] > 0.3
 
 
-def test_generate_without_model(tmp_path):
+@pytest.mark.parametrize("spec", ["mtp", "dflash"])
+def test_generate_without_model(spec, tmp_path):
     out = tmp_path / "out.jsonl"
-    result = CliRunner().invoke(app, ["generate", "-n", "12", "--spec", "mtp", "--out", str(out)])
+    result = CliRunner().invoke(app, ["generate", "-n", "12", "--spec", spec, "--out", str(out)])
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 3 and all(r["completion_tokens"] == 12 or r["finish_reason"] == "stop" for r in lines)
@@ -66,3 +72,22 @@ def test_default_model_loads_in_transformers():
     ids = llm.encode(PROMPTS[0])
     (req,), _ = llm.generate_ids([ids], SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert hf_greedy(hf, ids, 24, ()) == req.output_token_ids
+
+
+def test_dflash_draft_is_lossless_and_accepted_as_measured(tmp_path):
+    """The embedded DFlash draft on the first 4 held-out prompts, 32 tokens each, fp32 on CPU: greedy
+    output identical to no-spec, and mean accepted lengths as recorded when the draft was made
+    (128 tokens in 93 / 87 verify steps at k = 1 / 3; all 50 prompts: bench/results/embedded-dflash-k*-cpu.json)."""
+    from pathlib import Path
+
+    heldout = Path(__file__).resolve().parents[2] / "bench" / "data" / "heldout_prompts.jsonl"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(heldout.read_text().splitlines(keepends=True)[:4]))
+    report = tmp_path / "parity.json"
+    args = ["parity", "--spec", "dflash", "-k", "1", "-k", "3", "-n", "32", "--prompts", str(prompts), "--json", str(report)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    runs = json.loads(report.read_text())["runs"]
+    for name, recorded in (("k=1", 128 / 93), ("k=3", 128 / 87)):
+        assert runs[name]["passed"] and runs[name]["num_tokens"] == 128
+        assert runs[name]["mean_accepted_len"] == pytest.approx(recorded, abs=0.03), name
