@@ -70,6 +70,8 @@ def _train_demo():
 
 @dataclass(frozen=True)
 class DraftTrainConfig:
+    """The draft's shape and the training run; every field is also a command-line option."""
+
     num_layers: int = 2
     intermediate_size: int = 512
     num_heads: int = 4
@@ -78,9 +80,9 @@ class DraftTrainConfig:
     block_size: int = 4
     target_layers: tuple[int, ...] = (1, 4, 7)  # the last layer too: the stream the target's own prediction reads
     rope_theta: float = 1e7
-    # The mask slots' token. `<|im_start|>` never occurs in the corpus, the target never emits it
-    # (it never saw it), and in a chat prompt a role name always follows it, so it is never an anchor;
-    # `<|endoftext|>` separates documents and `<|im_end|>` would end a chat turn.
+    # The mask slots' token. `<|im_start|>` never occurs in the corpus (the target never saw it), and
+    # in a chat prompt a role name always follows it, so it is never an anchor; `<|endoftext|>`
+    # separates documents and `<|im_end|>` would end a chat turn.
     mask_token: str = MASK_TOKEN
     heldout_mod: int = 4
     max_train_files: int = 0  # 0 = all

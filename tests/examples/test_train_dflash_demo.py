@@ -100,7 +100,12 @@ def test_smoke_run_writes_a_draft_the_converter_accepts(tmp_path):
     from freetoken.llm import DEFAULT_MODEL_DIR
 
     out = tmp_path / "draft"
-    log = tdd.main(["--out", str(out), "--smoke", "--threads", "1"])
+    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    try:
+        log = tdd.main(["--out", str(out), "--smoke", "--threads", "1"])
+    finally:  # main() sets them for the whole process
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
     target = UnifiedCheckpoint.open(DEFAULT_MODEL_DIR)
     draft = read_dflash(out, target.config)
     assert draft.config.hidden_size == target.config["hidden_size"] and draft.config.mask_token_id == 5118
