@@ -46,6 +46,10 @@ class DFlashContext:
         self.values[:, :, self.num_rows : self.num_rows + m] = values
         self.num_rows += m
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:  # -> [L, kv, num_rows, hd] each
+        """The held rows' K and V."""
+        return self.keys[:, :, : self.num_rows], self.values[:, :, : self.num_rows]
+
 
 def _grown(rows: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
     out = rows.new_empty(rows.shape[:2] + (capacity,) + rows.shape[3:])
@@ -68,36 +72,33 @@ class DFlashMethod:
         self.num_draft_tokens = num_draft_tokens
         self.target_layers: tuple[int, ...] = tuple(draft.config.target_layer_ids)
         self.mask_token_id = draft.config.mask_token_id
+        cfg = draft.config
+        self._no_rows = torch.empty(cfg.num_hidden_layers, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=draft.norm.weight.dtype, device=device)
+
+    def _context(self, request: Request) -> DFlashContext:
+        """The request's draft context; an empty one (not stored) before its first committed row."""
+        return request.draft_state or DFlashContext(self._no_rows, self._no_rows, 0)
 
     def observe(self, rows: Sequence[CommittedRows]) -> None:
         """Append each request's committed rows to its draft context (their K and V in every draft layer)."""
         for r in rows:
-            m = r.layer_hidden.shape[0]
-            state: DFlashContext | None = r.request.draft_state
-            held = 0 if state is None else state.num_rows
-            if r.first_position != held:
-                raise RuntimeError(f"request {r.request.request_id}: committed rows start at {r.first_position}, its DFlash context holds {held}")
-            positions = torch.arange(r.first_position, r.first_position + m, device=self.device)
-            keys, values = self.draft.context_kv(self.draft.context(r.layer_hidden), positions)
-            if state is None:
-                state = r.request.draft_state = DFlashContext(keys.new_empty(keys.shape[:2] + (0,) + keys.shape[3:]), values.new_empty(values.shape[:2] + (0,) + values.shape[3:]), 0)
-            state.append(keys, values)
+            state = self._context(r.request)
+            if r.first_position != state.num_rows:
+                raise RuntimeError(f"request {r.request.request_id}: committed rows start at {r.first_position}, its DFlash context holds {state.num_rows}")
+            positions = torch.arange(r.first_position, r.first_position + r.layer_hidden.shape[0], device=self.device)
+            state.append(*self.draft.context_kv(self.draft.context(r.layer_hidden), positions))
+            r.request.draft_state = state
 
     def _block_hidden(self, request: Request) -> torch.Tensor:  # -> [B - 1, H]
         """The draft's output for slots 1 .. B - 1 of the request's next block."""
         start, block_size = request.num_cached_tokens, self.draft.config.block_size
-        state: DFlashContext | None = request.draft_state
-        held = 0 if state is None else state.num_rows
-        if held != start:
-            raise RuntimeError(f"request {request.request_id}: its DFlash context holds {held} rows, its anchor is at {start}")
+        state = self._context(request)
+        if state.num_rows != start:
+            raise RuntimeError(f"request {request.request_id}: its DFlash context holds {state.num_rows} rows, its anchor is at {start}")
         ids = torch.full((block_size,), self.mask_token_id, dtype=torch.long, device=self.device)
         ids[0] = request.last_token_id
-        if state is None:  # a one-token prompt: no committed row yet
-            cfg = self.draft.config
-            keys = values = torch.empty(cfg.num_hidden_layers, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=self.draft.norm.weight.dtype, device=self.device)
-        else:
-            keys, values = state.keys[:, :, :held], state.values[:, :, :held]
-        hidden = self.draft(self.embed(ids), torch.arange(start, start + block_size, device=self.device), keys, values, torch.arange(held, device=self.device))
+        keys, values = state.rows()
+        hidden = self.draft(self.embed(ids), torch.arange(start, start + block_size, device=self.device), keys, values, torch.arange(start, device=self.device))
         return hidden[1:]
 
     def propose(self, requests: Sequence[Request]) -> Proposal:
