@@ -30,12 +30,14 @@ for family in qwen35_dense qwen35_moe; do
     echo "# freetoken parity $family (commit $commit): exit $?" >> "$OUT/parity-$family.log"
     rm -rf "$tmp"
 done
-# DFlash: the dense fixture with its DFlash draft (block size 4: k up to 3)
-tmp=$(mktemp -d)
-freetoken convert "$FIXTURES/qwen35_dense/hf" "$tmp/dflash" --dflash "$FIXTURES/qwen35_dense_dflash/dflash" > /dev/null
-freetoken parity "$tmp/dflash" --spec dflash --device cuda --dtype bfloat16 -k 1 -k 2 -k 3 -n 64 --json "$OUT/parity-gpu-bf16-dflash.json" > "$OUT/parity-dflash.log" 2>&1
-echo "# freetoken parity --spec dflash qwen35_dense (commit $commit): exit $?" >> "$OUT/parity-dflash.log"
-rm -rf "$tmp"
+# DFlash and DFlash2: the dense fixture with each of its drafts (block size 4: k up to 3)
+for draft in dflash dflash2; do
+    tmp=$(mktemp -d)
+    freetoken convert "$FIXTURES/qwen35_dense/hf" "$tmp/$draft" --dflash "$FIXTURES/qwen35_dense_dflash/$draft" > /dev/null
+    freetoken parity "$tmp/$draft" --spec dflash --device cuda --dtype bfloat16 -k 1 -k 2 -k 3 -n 64 --json "$OUT/parity-gpu-bf16-$draft.json" > "$OUT/parity-$draft.log" 2>&1
+    echo "# freetoken parity --spec dflash qwen35_dense + $draft (commit $commit): exit $?" >> "$OUT/parity-$draft.log"
+    rm -rf "$tmp"
+done
 
 # 256 new tokens: 64 verify steps at full acceptance (at 64 tokens, 16 steps moved the speedup a few
 # percent between processes: logs/qwen3.5-9b-b1-oracle-k3-glue-*-af298fe.json)

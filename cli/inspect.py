@@ -55,8 +55,9 @@ def _config_rows(cfg, shapes: dict[str, list[int]]) -> Rows:
 def _head_summary(name: str, entry: dict) -> str:
     """One draft head as shown by inspect: the DFlash draft's shape in words, other heads' fields as key=value."""
     if name == "dflash":
-        return (f"dflash (block size {entry['block_size']}, {entry['num_hidden_layers']} layers, "
-                f"taps {entry['target_layer_ids']}, mask id {entry['mask_token_id']})")
+        selector = f", selector top {entry['selector_top_k']} rank {entry['selector_rank']}" if "selector_top_k" in entry else ""
+        return (f"dflash ({'DFlash2, ' if selector else ''}block size {entry['block_size']}, {entry['num_hidden_layers']} layers, "
+                f"taps {entry['target_layer_ids']}, mask id {entry['mask_token_id']}{selector})")
     return f"{name} ({', '.join(f'{k}={v}' for k, v in entry.items())})"
 
 

@@ -1,4 +1,4 @@
-"""DFlash draft directories (`config.json` + `model.safetensors`, as z-lab releases them) -> the `dflash.*` part of a unified checkpoint.
+"""DFlash and DFlash2 draft directories (`config.json` + `model.safetensors`, as z-lab releases them) -> the `dflash.*` part of a unified checkpoint.
 
 A DFlash draft has no embedding and no lm_head of its own (it borrows the target's) and reads the
 hidden states of some target layers, so it is converted together with its target:
@@ -9,8 +9,10 @@ keep their names under the prefix `dflash.`; the manifest entry `draft_heads["df
 `DFlashConfig.to_dict()` (spec/dflash/config.py).
 
 Config keys the `dflash` package reads from `dflash_config` first, then from the top level
-(`block_size`, `mask_token_id`, `target_layer_ids`), are read the same way here
-(`../shared/reference/dflash.md` §1.1).
+(`block_size`, `mask_token_id`, `target_layer_ids`, and DFlash2's `conv_kernel_size`,
+`conv_group_size`, `selector_rank`, `selector_top_k`), are read the same way here
+(`../shared/reference/dflash.md` §1.1, §3). A DFlash2 draft's selector codebooks have one row per
+token of the target's vocabulary.
 
 Layout: build_target_layer_ids, config parsing (`_draft_config` and its helpers),
 tensor checks (`expected_tensors`, `_validate_tensors`), DFlashDraft, read_dflash.
@@ -31,10 +33,9 @@ from freetoken.checkpoint import Provenance, SourceFile, hash_file, read_safeten
 from freetoken.converters.detect import resolve_source
 from freetoken.converters.hf import _first, _load_json
 from freetoken.errors import CheckpointError, FreetokenError, UnsupportedModelError
-from freetoken.spec.dflash.config import LAYER_TYPES, DFlashConfig
+from freetoken.spec.dflash.config import ARCHITECTURES, LAYER_TYPES, DFlashConfig
 
 PREFIX = "dflash."
-ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DEFAULT_BLOCK_SIZE = 16  # the dflash package's default
@@ -76,15 +77,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_architecture(raw: dict, path: Path) -> None:
+def _architecture(raw: dict, path: Path) -> str:
+    """DFlashDraftModel or DFlash2DraftModel, on a Qwen3 backbone."""
     architectures = raw.get("architectures") or []
     name = architectures[0] if isinstance(architectures, list) and architectures else None
-    if name == "DFlash2DraftModel":
-        raise UnsupportedModelError("DFlash2 drafts are not supported yet (architectures: DFlash2DraftModel)", path)
-    if name != ARCHITECTURE:
-        raise CheckpointError(f"not a DFlash draft (architectures {architectures!r}, expected [{ARCHITECTURE!r}])", path)
+    if name not in ARCHITECTURES:
+        raise CheckpointError(f"not a DFlash draft (architectures {architectures!r}, expected one of {list(ARCHITECTURES)})", path)
     if raw.get("model_type") != "qwen3":
         raise UnsupportedModelError(f"unsupported DFlash backbone model_type {raw.get('model_type')!r} (expected 'qwen3')", path)
+    return name
 
 
 def _rope_theta(raw: dict, path: Path) -> float:
@@ -165,6 +166,17 @@ def _block_size(raw: dict, path: Path) -> int:
     return block
 
 
+def _dflash2_fields(raw: dict, target: dict, path: Path) -> dict[str, Any]:
+    """The convolution and selector settings of a DFlash2 draft (no defaults: the package needs them)."""
+    out = {}
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = _draft_value(raw, key)
+        if not _is_int(value) or value < 1:
+            raise CheckpointError(f"a DFlash2 draft needs a positive int {key} (in dflash_config), got {value!r}", path)
+        out[key] = value
+    return out | {"vocab_size": target["vocab_size"]}
+
+
 def _backbone(raw: dict, path: Path) -> dict[str, Any]:
     """The Qwen3 backbone fields of DFlashConfig, with Qwen3Config's defaults for the optional ones."""
     try:
@@ -184,7 +196,7 @@ def _backbone(raw: dict, path: Path) -> dict[str, Any]:
 
 def _draft_config(raw: dict, target: dict, path: Path) -> DFlashConfig:
     """Normalize and validate a draft's config.json against the target's normalized config."""
-    _check_architecture(raw, path)
+    architecture = _architecture(raw, path)
     if raw.get("attention_bias"):
         raise UnsupportedModelError("attention_bias true is not supported (the DFlash draft network has no attention bias)", path)
     backbone = _backbone(raw, path)
@@ -193,7 +205,7 @@ def _draft_config(raw: dict, target: dict, path: Path) -> DFlashConfig:
     num_layers = backbone["num_hidden_layers"]
     layer_types = _layer_types(raw, num_layers, path)
     fields = dict(
-        architecture=ARCHITECTURE,
+        architecture=architecture,
         **backbone,
         rope_theta=_rope_theta(raw, path),
         block_size=_block_size(raw, path),
@@ -203,6 +215,7 @@ def _draft_config(raw: dict, target: dict, path: Path) -> DFlashConfig:
         sliding_window=_sliding_window(raw, layer_types, path),
         causal=_causal(raw, layer_types, path),
         attention_bias=False,
+        **(_dflash2_fields(raw, target, path) if architecture == "DFlash2DraftModel" else {}),
     )
     try:
         return DFlashConfig(**fields)
@@ -214,7 +227,7 @@ def _draft_config(raw: dict, target: dict, path: Path) -> DFlashConfig:
 
 
 def expected_tensors(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a DFlash draft (names as in its safetensors, no prefix) -> its shape."""
+    """Every tensor of a DFlash or DFlash2 draft (names as in its safetensors, no prefix) -> its shape."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     out: dict[str, tuple[int, ...]] = {
@@ -237,6 +250,16 @@ def expected_tensors(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if cfg.is_dflash2:
+            for conv in ("attention_conv", "mlp_conv"):
+                out[f"{p}{conv}.base_kernel"] = (2, cfg.conv_kernel_size, h)
+                out[f"{p}{conv}.kernel_projection.weight"] = (2 * cfg.conv_kernel_size * cfg.num_conv_groups, h)
+    if cfg.is_dflash2:
+        out |= {
+            "candidate_selector.predecessor_codebook": (cfg.vocab_size, cfg.selector_rank),
+            "candidate_selector.successor_codebook": (cfg.vocab_size, cfg.selector_rank),
+            "candidate_selector.hidden_projection.weight": (cfg.selector_rank, h),
+        }
     return out
 
 
@@ -244,11 +267,13 @@ def _validate_tensors(header: dict[str, dict], cfg: DFlashConfig, path: Path) ->
     expected = expected_tensors(cfg)
     unexpected = [n for n in header if n not in expected]
     if unexpected:
-        raise CheckpointError(f"unexpected tensors (not part of a DFlash draft): {_first(unexpected)}", path)
+        raise CheckpointError(f"unexpected tensors (not part of a {'DFlash2' if cfg.is_dflash2 else 'DFlash'} draft): {_first(unexpected)}", path)
     missing = [n for n in expected if n not in header]
     if missing:
         raise CheckpointError(f"missing tensors: {_first(missing)}", path)
     for name, shape in expected.items():
+        if name.endswith("_codebook") and header[name]["shape"][0] != shape[0]:
+            raise CheckpointError(f"tensor {name} has {header[name]['shape'][0]} rows, one per token of the target's vocabulary ({shape[0]}) expected", path)
         if tuple(header[name]["shape"]) != shape:
             raise CheckpointError(f"tensor {name} has shape {list(header[name]['shape'])}, config.json implies {list(shape)}", path)
         if header[name]["dtype"] not in FLOAT_DTYPES:
@@ -277,7 +302,7 @@ class DFlashDraft:
         self, tensors: Iterable[tuple[str, torch.Tensor]], draft_heads: dict[str, dict], provenance: Provenance,
     ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, dict], Provenance]:
         """A target's tensors, draft heads and provenance with this draft added."""
-        note = f"DFlash draft from {self.root.absolute()} under {PREFIX}*"
+        note = f"{'DFlash2' if self.config.is_dflash2 else 'DFlash'} draft from {self.root.absolute()} under {PREFIX}*"
         provenance = replace(provenance, sources=provenance.sources + self.sources, transforms=(*provenance.transforms, note))
         return chain(tensors, self.tensors()), draft_heads | {"dflash": self.config.to_dict()}, provenance
 

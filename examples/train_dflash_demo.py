@@ -405,7 +405,7 @@ def acceptance(target: Path, draft_dir: Path, prompts: list[str], cfg: DraftTrai
     tensors = dict(draft.tensors())
     source = type("Tensors", (), {"get": staticmethod(tensors.__getitem__)})
     config = llm.model.config
-    llm.model.attached_drafts["dflash"] = load_draft(source, draft.config.to_dict(), config.num_hidden_layers, config.hidden_size,
+    llm.model.attached_drafts["dflash"] = load_draft(source, draft.config.to_dict(), config.num_hidden_layers, config.hidden_size, config.vocab_size,
                                                      device="cpu", dtype=torch.float32, origin=str(draft_dir))
     results = {}
     for k in cfg.eval_k:

@@ -114,7 +114,7 @@ class LLM:
 
             cfg = self.model.config
             self.model.attached_drafts["dflash"] = load_draft(
-                self.checkpoint, self.checkpoint.draft_heads["dflash"], cfg.num_hidden_layers, cfg.hidden_size,
+                self.checkpoint, self.checkpoint.draft_heads["dflash"], cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
                 device=self.config.device, dtype=self.config.torch_dtype, origin=str(self.path),
             )
             if not self.config.num_draft_tokens:

@@ -247,6 +247,13 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return sampling_ref.inverse_cdf(weights, u)
 
 
+def draw(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One token per row from a distribution probs [R, V] fp32 -> [R] int64, one uniform from each
+    row's generator (the draw `sample` makes)."""
+    u = _uniforms(generators, [True] * len(generators), 1, probs.device)[:, 0]
+    return _inverse_cdf(probs, u)
+
+
 def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
@@ -263,8 +270,7 @@ def sample(
     if sampled:
         index = _host_tensor(sampled, torch.int64, x.device)
         p = torch.softmax(x.index_select(0, index), dim=-1)
-        u = _uniforms([generators[r] for r in sampled], [True] * len(sampled), 1, x.device)[:, 0]
-        tokens.index_copy_(0, index, _inverse_cdf(p, u))
+        tokens.index_copy_(0, index, draw(p, [generators[r] for r in sampled]))
     return tokens
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from freetoken.checkpoint import UnifiedCheckpoint
-from freetoken.errors import CheckpointError, FreetokenError, OutputExistsError, UnsupportedModelError
+from freetoken.errors import CheckpointError, FreetokenError, OutputExistsError
 
 from tests.conftest import FIXTURES
 
@@ -127,14 +127,22 @@ def test_convert_and_inspect_with_dflash(app, tmp_path, target):
     assert "mtp (num_layers=1)" in res.output and "DFlash draft from" in res.output
 
 
+def test_convert_and_inspect_with_dflash2(app, tmp_path):
+    res = _run(app, "convert", FIXTURES / "qwen35_dense" / "hf", tmp_path / "out", "--dflash", DRAFTS / "dflash2")
+    assert res.exit_code == 0, res.output
+    res = _run(app, "inspect", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert "dflash (DFlash2, block size 4, 2 layers, taps [0, 2], mask id 1023, selector top 4 rank 8)" in res.output
+
+
 def test_convert_dflash_errors(app, tmp_path):
     target = FIXTURES / "qwen35_dense" / "hf"
     res = _run(app, "convert", DRAFTS / "dflash", tmp_path / "a", "--dflash", DRAFTS / "dflash")
     assert res.exit_code != 0 and isinstance(res.exception, CheckpointError)
     assert str(res.exception) == f"{DRAFTS / 'dflash'}: a DFlash draft, not a target: pass it with --dflash next to its target"
-    res = _run(app, "convert", target, tmp_path / "b", "--dflash", DRAFTS / "dflash2")
-    assert res.exit_code != 0 and isinstance(res.exception, UnsupportedModelError)
-    assert str(res.exception).startswith(f"{DRAFTS / 'dflash2' / 'config.json'}: DFlash2 drafts are not supported yet")
+    res = _run(app, "convert", target, tmp_path / "b", "--dflash", DRAFTS / "dflash2" / "config.json")
+    assert res.exit_code != 0 and isinstance(res.exception, CheckpointError)
+    assert str(res.exception).startswith(f"{DRAFTS / 'dflash2' / 'config.json'}: not a DFlash draft directory")
     res = _run(app, "convert", target, tmp_path / "c", "--dflash", tmp_path / "nothing")
     assert res.exit_code != 0 and "nothing: no such file or directory" in str(res.exception)
     assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from freetoken.checkpoint import UnifiedCheckpoint
 from freetoken.converters import convert
 from freetoken.converters.dflash import DFlashConfig, DFlashDraft, build_target_layer_ids
-from freetoken.errors import CheckpointError, UnsupportedModelError
+from freetoken.errors import CheckpointError, FreetokenError, UnsupportedModelError
 
 from tests.conftest import FIXTURES
 
@@ -44,10 +44,10 @@ def _draft_tensors(root: Path = DRAFT) -> dict[str, torch.Tensor]:
     return load_file(root / "model.safetensors")
 
 
-def _draft_copy(tmp_path: Path, edit: Callable[[dict], None] | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """A writable copy of the fixture draft, with config.json edited in place by `edit` and/or other weights."""
+def _draft_copy(tmp_path: Path, edit: Callable[[dict], None] | None = None, tensors: dict[str, torch.Tensor] | None = None, root: Path = DRAFT) -> Path:
+    """A writable copy of the fixture draft `root`, with config.json edited in place by `edit` and/or other weights."""
     d = tmp_path / "draft"
-    shutil.copytree(DRAFT, d)
+    shutil.copytree(root, d)
     d.chmod(0o755)
     for f in d.iterdir():
         f.chmod(0o644)
@@ -222,10 +222,6 @@ def test_no_such_draft(tmp_path):
     _fails(tmp_path, CheckpointError, tmp_path / "nothing", "no such file or directory", dflash=tmp_path / "nothing")
 
 
-def test_dflash2_is_not_supported_yet(tmp_path):
-    _fails(tmp_path, UnsupportedModelError, DRAFT2 / "config.json", "DFlash2 drafts are not supported yet", dflash=DRAFT2)
-
-
 def test_a_target_is_not_a_draft(tmp_path):
     _fails(tmp_path, CheckpointError, TARGET / "config.json", r"not a DFlash draft \(architectures \['Qwen3_5ForConditionalGeneration'\]", dflash=TARGET)
 
@@ -337,3 +333,48 @@ def test_failure_while_writing_the_draft_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk on fire"):
         convert(TARGET, tmp_path / "out", dflash=DRAFT, shard_size=10_000)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- DFlash2
+
+
+def test_dflash2_draft_converts(tmp_path):
+    convert(TARGET, tmp_path / "out", dflash=DRAFT2)
+    ck, raw, want = UnifiedCheckpoint.open(tmp_path / "out"), _draft_config(DRAFT2), _draft_tensors(DRAFT2)
+    assert sorted(n for n in ck.tensor_names() if n.startswith("dflash.")) == sorted("dflash." + n for n in want)
+    for name, t in want.items():
+        assert torch.equal(ck.get("dflash." + name), t), name
+    head = ck.draft_heads["dflash"]
+    assert set(head) == HEAD_KEYS | {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "vocab_size"}
+    assert head["architecture"] == "DFlash2DraftModel" and head["vocab_size"] == ck.config["vocab_size"] == 1024
+    for key in ("block_size", "mask_token_id", "target_layer_ids", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        assert head[key] == raw["dflash_config"][key], key
+    assert head["layer_types"] == ["sliding_attention"] * 2 and head["sliding_window"] == 8 and head["causal"] == [False, False]
+    assert "DFlash2 draft from" in ck.manifest.provenance.transforms[-1]
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda c: c["dflash_config"].pop("selector_top_k"), r"a DFlash2 draft needs a positive int selector_top_k \(in dflash_config\), got None"),
+    (_set_nested(conv_kernel_size=0), "a DFlash2 draft needs a positive int conv_kernel_size"),
+    (_set_nested(conv_group_size=48), "conv_group_size 48 does not divide hidden_size 64"),
+    (_set_nested(selector_top_k=4096), r"selector_top_k 4096 exceeds the vocabulary \(1024 tokens\)"),
+])
+def test_bad_dflash2_config(tmp_path, edit, match):
+    d = _draft_copy(tmp_path, edit, root=DRAFT2)
+    _fails(tmp_path, CheckpointError if "needs" in match else FreetokenError, d / "config.json", match, dflash=d)
+
+
+def test_dflash2_tensors(tmp_path):
+    tensors = _draft_tensors(DRAFT2)
+    missing = {n: t for n, t in tensors.items() if n != "layers.1.mlp_conv.base_kernel"}
+    d = _draft_copy(tmp_path / "a", tensors=missing, root=DRAFT2)
+    _fails(tmp_path / "a", CheckpointError, d / "model.safetensors", "missing tensors: layers.1.mlp_conv.base_kernel$", dflash=d)
+    short = tensors | {"candidate_selector.successor_codebook": torch.zeros(1000, 8, dtype=torch.bfloat16)}
+    d = _draft_copy(tmp_path / "b", tensors=short, root=DRAFT2)
+    _fails(tmp_path / "b", CheckpointError, d / "model.safetensors",
+           r"tensor candidate_selector.successor_codebook has 1000 rows, one per token of the target's vocabulary \(1024\) expected", dflash=d)
+    d = _draft_copy(tmp_path / "c", tensors=_draft_tensors(DRAFT2) | {"layers.0.attention_conv.kernel_projection.weight": torch.zeros(8, 64)}, root=DRAFT2)
+    _fails(tmp_path / "c", CheckpointError, d / "model.safetensors",
+           r"tensor layers.0.attention_conv.kernel_projection.weight has shape \[8, 64\], config.json implies \[16, 64\]", dflash=d)
+    d = _draft_copy(tmp_path / "d", tensors=_draft_tensors(DRAFT) | {"layers.0.mlp_conv.base_kernel": torch.zeros(2, 2, 64)})
+    _fails(tmp_path / "d", CheckpointError, d / "model.safetensors", r"unexpected tensors \(not part of a DFlash draft\): layers.0.mlp_conv.base_kernel$", dflash=d)

@@ -67,7 +67,7 @@ def test_draft_is_present_and_loads(converted):
     from freetoken.spec.dflash.loader import load_draft
 
     ck = UnifiedCheckpoint.open(converted["added"])
-    draft = load_draft(ck, ck.draft_heads["dflash"], ck.config["num_hidden_layers"], ck.config["hidden_size"], device="cpu", dtype=torch.float32)
+    draft = load_draft(ck, ck.draft_heads["dflash"], ck.config["num_hidden_layers"], ck.config["hidden_size"], ck.config["vocab_size"], device="cpu", dtype=torch.float32)
     assert draft.config.target_layer_ids == (0, 2) and draft.config.block_size == 4
 
 

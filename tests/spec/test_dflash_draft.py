@@ -1,4 +1,4 @@
-"""The DFlash v1 draft network against the `dflash` package's torch reference.
+"""The DFlash (v1) draft network against the `dflash` package's torch reference.
 
 Oracle: `qwen35_dense_dflash/ref/dflash.safetensors` (fixtures/README.md, Round 2), computed by the
 PyPI `dflash` 0.1.0 modules on the fixture draft `qwen35_dense_dflash/dflash` with the target
@@ -115,7 +115,9 @@ def test_config_from_dict_round_trip_and_rejections():
         DFlashConfig.from_dict({k: v for k, v in d.items() if k != "causal"})
     with pytest.raises(FreetokenError, match="unexpected keys \\['num_target_layers'\\]"):
         DFlashConfig.from_dict(d | {"num_target_layers": 4})
-    with pytest.raises(UnsupportedModelError, match="DFlash2DraftModel"):
+    with pytest.raises(UnsupportedModelError, match="'DFlash3DraftModel' \\(supported: DFlashDraftModel, DFlash2DraftModel\\)"):
+        DFlashConfig.from_dict(d | {"architecture": "DFlash3DraftModel"})
+    with pytest.raises(FreetokenError, match="DFlash2 draft: conv_kernel_size None"):  # DFlash2 without its fields
         DFlashConfig.from_dict(d | {"architecture": "DFlash2DraftModel"})
     with pytest.raises(FreetokenError, match="sliding_window"):
         DFlashConfig.from_dict(d | {"sliding_window": None})

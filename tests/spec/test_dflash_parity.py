@@ -1,13 +1,17 @@
-"""Lossless DFlash speculative decoding, and the draft context the method keeps.
+"""Lossless DFlash and DFlash2 speculative decoding, and the draft context the method keeps.
 
 Target and draft: the fixture `qwen35_dense` with its DFlash draft (`qwen35_dense_dflash/dflash`,
-block size 4), converted together. Oracles: the same engine without speculative decoding (greedy,
+block size 4) or its DFlash2 draft (`.../dflash2`, block size 4, sliding window 8, the candidate
+selector), converted together; every test runs with each. Oracles: the same engine without speculative decoding (greedy,
 token for token, fp32 and bf16); for the draft's context rows, a fresh forward of the target over
 the committed tokens through the draft's `context_kv` (itself checked against the dflash package in
 test_dflash_draft.py), so rows appended piecewise by prefill chunks and verify steps must equal rows
 computed at once. The random fixture draft is rarely right, so the accept path is driven with a
-degenerate pair: the target's and the draft's final norms zeroed, both always pick token 0 and every
-draft is accepted (reference/dflash.md §5).
+degenerate pair (reference/dflash.md §5): the target's final norm zeroed (its hidden is 0, so it
+always picks token 0 whatever its lm_head), and the draft's sublayers silenced (attention and MLP
+output projections zero), so every mask slot's hidden is the same vector h, with the lm_head's
+row 0 set to h and the others to 0: token 0 is every slot's unique best logit and, with the
+DFlash2 selector's predecessor codebook zero, its walk's best score too. Every draft is accepted.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ NEW_TOKENS = 40
 BLOCK = 4  # the fixture draft's block size
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    dst = tmp_path_factory.mktemp("dflash") / "unified"
-    return str(convert_unified(FIXTURES / "qwen35_dense" / "hf", dst, dflash=FIXTURES / "qwen35_dense_dflash" / "dflash"))
+@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def checkpoint(request, tmp_path_factory) -> str:
+    dst = tmp_path_factory.mktemp(request.param) / "unified"
+    return str(convert_unified(FIXTURES / "qwen35_dense" / "hf", dst, dflash=FIXTURES / "qwen35_dense_dflash" / request.param))
 
 
 def _prompts() -> list[list[int]]:
@@ -106,17 +110,26 @@ def test_context_rows_equal_rows_computed_at_once(checkpoint):
 
 @pytest.fixture
 def degenerate(checkpoint):
-    """The fp32 LLM with its target's and draft's final norms zeroed (both always pick token 0), restored after."""
+    """The fp32 LLM edited so that target and draft always pick token 0 (module docstring), restored after."""
     llm = _llm(checkpoint, "float32")
-    target_norm, draft_norm = llm.model.model.norm.weight, llm.model.draft_network("dflash").norm.weight
-    saved = target_norm.clone(), draft_norm.clone()
+    model, draft = llm.model, llm.model.draft_network("dflash")
+    silenced = [w for layer in draft.layers for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
+    if draft.candidate_selector is not None:
+        silenced.append(draft.candidate_selector.predecessor_codebook)
+    edited = [model.model.norm.weight, model.lm_head.weight, *silenced]
+    saved = [w.clone() for w in edited]
     with torch.no_grad():
-        target_norm.fill_(-1.0)  # zero-centred: scale 1 + w = 0
-        draft_norm.zero_()
+        model.model.norm.weight.fill_(-1.0)  # zero-centred: scale 1 + w = 0
+        for w in silenced:
+            w.zero_()
+        mask = torch.tensor([draft.config.mask_token_id])
+        h = draft.norm(model.embed(mask))[0]  # every mask slot's hidden now
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[0] = h
     yield llm
     with torch.no_grad():
-        target_norm.copy_(saved[0])
-        draft_norm.copy_(saved[1])
+        for w, s in zip(edited, saved):
+            w.copy_(s)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -4,9 +4,10 @@ A tiny random checkpoint with a 32-token vocabulary, so the joint distribution o
 generated tokens (32 x 32 cells) is estimable from 2000 requests. Oracle: that joint computed
 exactly, in float64 and by hand, from transformers' logits: p(t1) from the prompt, p(t2 | t1)
 from prompt + t1 with t1 penalised (presence + frequency, over generated tokens), then
-temperature and the top-p nucleus. The plain engine, MTP (k = 2) and a random DFlash draft (k = 3,
-its q from its own logits under the same penalties, temperature and top-p) must fit it, and the
-speculative runs must fit the plain one (two-sample chi-square).
+temperature and the top-p nucleus. The plain engine, MTP (k = 2), a random DFlash draft (k = 3,
+its q from its own logits under the same penalties, temperature and top-p) and a random DFlash2
+draft (k = 3, its q the candidate selector's softmax over 6 candidates at the temperature alone)
+must fit it, and the speculative runs must fit the plain one (two-sample chi-square).
 
 Threshold: Pearson's chi-square goodness of fit over cells with expected count >= 5 (the rest
 pooled into one cell), rejected at p < 1e-3. Every request has its own seeded stream, so each run
@@ -90,8 +91,11 @@ def test_sampled_spec_and_plain_fit_the_exact_distribution(tiny_checkpoint):
     model.attached_drafts["dflash"] = _random_dflash_draft(model.config.hidden_size)
     dflash, engine = _sample_counts(model, "dflash", 3)
     assert engine.stats.num_verifies > 0 and engine.stats.accepted_per_position[0] > 0
+    model.attached_drafts["dflash"] = _random_dflash_draft(model.config.hidden_size, dflash2=True)
+    dflash2, engine = _sample_counts(model, "dflash", 3)
+    assert engine.stats.num_verifies > 0 and engine.stats.accepted_per_position[0] > 0
 
-    for name, counts in (("plain", plain), ("mtp k=2", spec), ("dflash k=3", dflash)):
+    for name, counts in (("plain", plain), ("mtp k=2", spec), ("dflash k=3", dflash), ("dflash2 k=3", dflash2)):
         assert counts[exact == 0].sum() == 0, f"{name}: tokens outside the top-p nucleus"
         assert _chi2_pvalue(counts, exact) > 1e-3, name
         repeats = counts.diagonal().sum().item()
@@ -100,14 +104,17 @@ def test_sampled_spec_and_plain_fit_the_exact_distribution(tiny_checkpoint):
             assert (z < 4) if near else (z > 5), f"{name}: {repeats} repeated tokens, expected {N * p:.1f} ({'with' if near else 'without'} penalties)"
     assert _two_sample_pvalue(plain, spec, exact) > 1e-3
     assert _two_sample_pvalue(plain, dflash, exact) > 1e-3
+    assert _two_sample_pvalue(plain, dflash2, exact) > 1e-3
 
 
-def _random_dflash_draft(hidden_size: int):
-    """A 2-layer DFlash draft (block 4, taps 0 and 2, mask id 28) with fixture-style random weights."""
+def _random_dflash_draft(hidden_size: int, dflash2: bool = False):
+    """A 2-layer DFlash draft (block 4, taps 0 and 2, mask id 28) with fixture-style random weights;
+    DFlash2: two-tap convolutions in groups of 16, a selector of rank 8 over 6 candidates."""
     from freetoken.spec.dflash.config import DFlashConfig
     from freetoken.spec.dflash.draft import DFlashDraft
 
-    cfg = DFlashConfig("DFlashDraftModel", hidden_size, 2, 4, 2, 16, 128, 1e-6, 1e7, 4, 28, (0, 2), ("full_attention",) * 2, None, (False, False), False)
+    architecture, extra = ("DFlash2DraftModel", (2, 16, 8, 6, VOCAB)) if dflash2 else ("DFlashDraftModel", ())
+    cfg = DFlashConfig(architecture, hidden_size, 2, 4, 2, 16, 128, 1e-6, 1e7, 4, 28, (0, 2), ("full_attention",) * 2, None, (False, False), False, *extra)
     draft = DFlashDraft(cfg).eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():

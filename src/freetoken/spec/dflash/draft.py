@@ -1,5 +1,6 @@
-"""The DFlash (v1) draft network: a few Qwen3 decoder layers whose keys and values also cover the
-target's context (shared/reference/dflash.md §1).
+"""The DFlash draft network: a few Qwen3 decoder layers whose keys and values also cover the
+target's context (shared/reference/dflash.md §1); a DFlash2 draft adds a convolution around each
+sublayer and a candidate selector (spec/dflash/dflash2.py, reference §3).
 
 The target exports, per position p, the outputs of its decoder layers `target_layer_ids`; `fc` then
 `hidden_norm` turn their concatenation into one context vector c_p [H]. A draft step runs one block
@@ -24,6 +25,7 @@ from torch import nn
 from freetoken.kernels import apply_rope
 from freetoken.kernels.rope_ref import rope_inv_freq
 from freetoken.spec.dflash.config import DFlashConfig
+from freetoken.spec.dflash.dflash2 import CandidateSelector, GroupedDynamicConv
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
@@ -124,11 +126,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.attention_conv = GroupedDynamicConv(cfg) if cfg.is_dflash2 else None
+        self.mlp_conv = GroupedDynamicConv(cfg) if cfg.is_dflash2 else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """x [B, H] -> [B, H]; the context rows of this layer ctx_k, ctx_v [kv, n, hd]."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_positions, inv_freq)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_positions, inv_freq)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, finishing = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, positions, ctx_k, ctx_v, ctx_positions, inv_freq), finishing)
+        h, finishing = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), finishing)
 
 
 class DFlashDraft(nn.Module):
@@ -141,6 +150,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.is_dflash2 else None
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         """[head_dim / 2] fp32 RoPE frequencies over the whole head, computed once per device."""

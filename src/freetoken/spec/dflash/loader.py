@@ -1,4 +1,4 @@
-"""Build a unified checkpoint's DFlash draft (`draft_heads["dflash"]`, tensors under `dflash.*`) for its target."""
+"""Build a unified checkpoint's DFlash or DFlash2 draft (`draft_heads["dflash"]`, tensors under `dflash.*`) for its target."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ PREFIX = "dflash."
 
 
 @torch.no_grad()
-def load_draft(source, head: dict, target_num_layers: int, target_hidden_size: int, *, device: torch.device | str, dtype: torch.dtype,
+def load_draft(source, head: dict, target_num_layers: int, target_hidden_size: int, target_vocab_size: int, *, device: torch.device | str, dtype: torch.dtype,
                origin: str | None = None) -> DFlashDraft:
     """The draft described by `head` (the manifest's draft_heads["dflash"]) with its weights from
     `source` (anything with get(name)), checked against the target it drafts for."""
@@ -28,6 +28,8 @@ def load_draft(source, head: dict, target_num_layers: int, target_hidden_size: i
     outside = [i for i in cfg.target_layer_ids if not 0 <= i < target_num_layers]
     if outside:
         raise CheckpointError(f"the DFlash draft reads target layers {outside}, outside the target's {target_num_layers}", origin)
+    if cfg.is_dflash2 and cfg.vocab_size != target_vocab_size:
+        raise CheckpointError(f"the DFlash2 draft's selector covers {cfg.vocab_size} tokens, the target's vocabulary {target_vocab_size}", origin)
     with torch.device("meta"):
         draft = DFlashDraft(cfg)
     draft = draft.to_empty(device=device).to(dtype).eval()

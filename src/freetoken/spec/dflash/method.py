@@ -6,7 +6,8 @@ function of (the row's taps, p) alone (`DFlashDraft.context_kv`). observe append
 propose runs one block per request, [anchor, mask x (B - 1)] at positions start .. start + B - 1
 (start = the request's cached tokens, the anchor its last token, not yet run by the target), over
 the context rows 0 .. start - 1, and takes the first k of the B - 1 slots' tokens as drafts (slot j
-predicts the token at start + j). Every row the target commits (prefill chunks, the anchor and the
+predicts the token at start + j): each slot's argmax for DFlash, the candidate selector's walk over
+the slots' top-k tokens for DFlash2 (spec/dflash/dflash2.py). Every row the target commits (prefill chunks, the anchor and the
 accepted drafts of a verify) is observed once, so a request's context is always rows 0 .. start - 1,
 as in the dflash package's `dflash_generate` (reference/dflash.md §2). The draft holds no state
 beyond those rows, so a preempted request rebuilds them from its new prefill.
@@ -104,7 +105,10 @@ class DFlashMethod:
     def propose(self, requests: Sequence[Request]) -> Proposal:
         """k drafts per request from one draft block each; with sampled requests also their distributions q."""
         k = self.num_draft_tokens
-        logits = torch.stack([self.compute_logits(self._block_hidden(r)[:k]) for r in requests])  # [b, k, V] fp32
+        hidden = torch.stack([self._block_hidden(r)[:k] for r in requests])  # [b, k, H]
+        logits = self.compute_logits(hidden.flatten(0, 1)).view(len(requests), k, -1)  # [b, k, V] fp32
+        if self.draft.candidate_selector is not None:
+            return self._select(requests, hidden, logits)
         if all(r.params.is_plain_greedy for r in requests):
             return Proposal(logits.argmax(dim=-1).cpu(), None)
         params = [r.params for r in requests]
@@ -118,6 +122,13 @@ class DFlashMethod:
                 d.append(t)
         greedy = all(p.is_greedy for p in params)  # penalised greedy: deterministic drafts, no q
         return Proposal(torch.tensor(drafted, dtype=torch.long), None if greedy else torch.stack(probs, dim=1))
+
+    def _select(self, requests: Sequence[Request], hidden: torch.Tensor, logits: torch.Tensor) -> Proposal:
+        """DFlash2: the candidate selector's walk from each request's anchor (hidden [b, k, H], logits [b, k, V] fp32)."""
+        anchors = torch.tensor([r.last_token_id for r in requests], dtype=torch.long, device=self.device)
+        temperatures = [r.params.temperature for r in requests]
+        tokens, probs = self.draft.candidate_selector.walk(hidden, logits, anchors, temperatures, [r.generator for r in requests])
+        return Proposal(tokens.cpu(), probs)
 
     def release(self, request: Request) -> None:
         """Drop the request's draft context."""
