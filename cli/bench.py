@@ -23,7 +23,7 @@ def bench(
     batch_size: Annotated[list[int], typer.Option("--batch-size", "-b", min=1, help="Batch sizes (repeatable).")] = [1],  # noqa: B006
     prompt_len: Annotated[int, typer.Option("--prompt-len", min=1)] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1)] = 64,
-    spec: Annotated[str, typer.Option("--spec", help="none | mtp | oracle (drafts replay the known greedy continuation)")] = "none",
+    spec: Annotated[str, typer.Option("--spec", help="none | mtp | oracle (drafts replay the known greedy continuation) | dflash-oracle (a random DFlash draft of a published shape runs in full, the oracle's drafts are proposed)")] = "none",
     num_draft_tokens: Annotated[int, typer.Option("--num-draft-tokens", "-k", min=0)] = 0,
     corrupt_rate: Annotated[list[float], typer.Option("--corrupt-rate", help="Oracle drafts: chance each draft is wrong (repeatable).")] = [0.0],  # noqa: B006
     device: DeviceOpt = "cuda",
@@ -49,8 +49,10 @@ def bench(
         model = str(resolve_checkpoint(model))  # converted once, before the workers start
     if model is None and shape not in SHAPES:
         raise FreetokenError(f"unknown --shape {shape!r} (choose from {', '.join(SHAPES)})")
-    if spec not in ("none", "mtp", "oracle"):
-        raise FreetokenError(f"unknown --spec {spec!r} (none, mtp, oracle)")
+    if spec not in ("none", "mtp", "oracle", "dflash-oracle"):
+        raise FreetokenError(f"unknown --spec {spec!r} (none, mtp, oracle, dflash-oracle)")
+    if spec == "dflash-oracle" and model is not None:
+        raise FreetokenError("--spec dflash-oracle runs a random draft of --shape's published DFlash shape: give --shape, not MODEL")
     if spec != "none" and num_draft_tokens < 1:
         raise FreetokenError(f"--spec {spec} needs --num-draft-tokens >= 1")
     kwargs = dict(model=model, prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
@@ -69,13 +71,19 @@ def bench(
     for r in results:
         name = f"{r.spec} k={r.num_draft_tokens}" + (f" corrupt={r.corrupt_rate:g}" if r.corrupt_rate is not None else "")
         table.add_row(str(r.batch_size), name, f"{r.decode_tokens_per_s:.1f}", f"{r.step_ms:.2f}", f"{r.floor_step_ms:.2f}",
-                      f"{r.fraction_of_floor:.1%}", " ".join(f"{a:.2f}" for a in r.acceptance_per_position) or "-", f"{r.mean_accepted_len:.2f}",
+                      f"{r.fraction_of_floor:.1%}", _acceptance(r.acceptance_per_position), f"{r.mean_accepted_len:.2f}",
                       f"{r.speedup_vs_no_spec:.2f}x" if r.speedup_vs_no_spec else "-", f"{r.step_cost_vs_decode:.2f}x" if r.step_cost_vs_decode else "-",
                       f"{r.forward_ms:.2f}" if r.forward_ms else "-", f"{r.forward_cost_vs_decode:.2f}x" if r.forward_cost_vs_decode else "-")
     console.print(table)
     path = out or Path("bench/results") / f"{label}-{spec}.json"
     write_results(path, "freetoken " + " ".join(sys.argv[1:]), results)
     console.print(f"wrote {path}")
+
+
+def _acceptance(per_position: list[float]) -> str:
+    """Acceptance per draft position for the table: all of them up to 4, else the first 3 and the last."""
+    shown = [f"{a:.2f}" for a in per_position]
+    return " ".join(shown if len(shown) <= 4 else shown[:3] + ["..", shown[-1]]) or "-"
 
 
 def bench_rank(parallel, shape: str | None, batch_sizes: list[int], kwargs: dict) -> list:

@@ -51,6 +51,43 @@ SHAPES: dict[str, Qwen35Config] = {
 }
 
 
+# DFlash drafts of published shapes for the bench targets (shared/reference/dflash.md §1.1): as
+# z-lab/Qwen3-8B-DFlash-b16 (hidden 4096) and z-lab/Qwen3.6-35B-A3B-DFlash (April; hidden 2048);
+# block 16, full bidirectional attention, taps spread over the target's layers.
+DFLASH_SHAPES: dict[str, dict] = {
+    "qwen3.5-9b": dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288),
+    "qwen3.5-35b-a3b": dict(num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144),
+    "tiny": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128),
+}
+DFLASH_BLOCK_SIZE = 16
+
+
+@torch.no_grad()
+def random_dflash_draft(shape: str, cfg: Qwen35Config, device: str, dtype: torch.dtype, seed: int = 0):
+    """A DFlash draft of DFLASH_SHAPES[shape] for the target cfg, with seeded random weights (norm
+    weights 1, matrices N(0, 1/fan_in)); its mask token is the last of the vocabulary."""
+    from freetoken.converters.dflash import build_target_layer_ids
+    from freetoken.spec.dflash.config import DFlashConfig
+    from freetoken.spec.dflash.draft import DFlashDraft
+
+    layers = DFLASH_SHAPES[shape]["num_hidden_layers"]
+    draft_cfg = DFlashConfig(
+        architecture="DFlashDraftModel", hidden_size=cfg.hidden_size, **DFLASH_SHAPES[shape], rms_norm_eps=1e-6, rope_theta=1e7,
+        block_size=DFLASH_BLOCK_SIZE, mask_token_id=cfg.vocab_size - 1, target_layer_ids=tuple(build_target_layer_ids(cfg.num_hidden_layers, layers)),
+        layer_types=("full_attention",) * layers, sliding_window=None, causal=(False,) * layers, attention_bias=False,
+    )
+    with torch.device("meta"):
+        draft = DFlashDraft(draft_cfg)
+    draft = draft.to_empty(device=device).to(dtype).eval()
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    for name, p in draft.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    return draft
+
+
 @torch.no_grad()
 def random_model(cfg: Qwen35Config, device: str, dtype: torch.dtype, with_mtp: bool, seed: int = 0, parallel: ParallelContext = SINGLE):
     """A model of cfg's shape with seeded random weights of sensible scale (no branch is an identity)."""
@@ -118,7 +155,7 @@ class BenchResult:
     new_tokens: int
     spec: str
     num_draft_tokens: int
-    corrupt_rate: float | None  # oracle drafts only: chance that a draft is replaced by a wrong token
+    corrupt_rate: float | None  # oracle drafts only (oracle, dflash-oracle): chance that a draft is replaced by a wrong token
     dtype: str
     prefill_seconds: float
     decode_seconds: float
@@ -223,6 +260,8 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
     if model is None:
         cfg = SHAPES[shape]
         model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
+        if spec == "dflash-oracle":
+            model.attached_drafts["dflash"] = random_dflash_draft(shape, cfg, device, base_config.torch_dtype, seed)
     else:
         from freetoken.llm import LLM
 
@@ -258,9 +297,10 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
     if spec == "none":
         return results
     continuations = [r.output_token_ids for r in requests]
-    for rate in corrupt_rates if spec == "oracle" else (None,):
+    oracle = spec in ("oracle", "dflash-oracle")
+    for rate in corrupt_rates if oracle else (None,):
         engine = LLMEngine(model, replace(base_config, spec=spec, num_draft_tokens=num_draft_tokens))
-        if spec == "oracle":
+        if oracle:
             # request ids 0..B-1 are the warm-up requests of _timed_generate
             engine.spec.set_continuations({len(prompts) + i: c for i, c in enumerate(continuations)}, rate, seed)
         reqs, prefill_s, decode_s = _timed_generate(engine, prompts, params, device)

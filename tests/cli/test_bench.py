@@ -43,6 +43,24 @@ def test_tiny_shape_with_oracle_drafts(tmp_path):
     assert exact["speedup_vs_no_spec"] == pytest.approx(exact["decode_tokens_per_s"] / base["decode_tokens_per_s"])
 
 
+def test_tiny_shape_with_a_dflash_draft_and_oracle_tokens(tmp_path, monkeypatch):
+    """dflash-oracle: the random DFlash draft runs on every step (its propose is called and its network
+    runs), the oracle's tokens are proposed: all accepted at corruption 0, the greedy output kept."""
+    from freetoken.spec.dflash.draft import DFlashDraft
+
+    calls = []
+    forward = DFlashDraft.forward
+    monkeypatch.setattr(DFlashDraft, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    report = _bench(["--shape", "tiny", "--spec", "dflash-oracle", "-k", "8", "--corrupt-rate", "0", "--corrupt-rate", "0.3"], tmp_path / "d.json")
+    base, exact, corrupted = report["results"]
+    assert (exact["spec"], exact["num_draft_tokens"]) == ("dflash-oracle", 8)
+    assert exact["acceptance_per_position"] == [1.0] * 8 and exact["decode_steps"] == 1 and exact["mean_accepted_len"] == 9.0
+    assert corrupted["acceptance_per_position"][0] < 1.0 and corrupted["decode_steps"] > 1
+    assert len(calls) >= exact["decode_steps"] + corrupted["decode_steps"]
+    result = CliRunner().invoke(app, ["bench", str(tmp_path), "--spec", "dflash-oracle", "-k", "3", *SMALL])
+    assert result.exit_code != 0 and "give --shape, not MODEL" in str(result.exception)
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     dst = tmp_path_factory.mktemp("bench") / "qwen35_dense"

@@ -14,6 +14,7 @@ METHODS: dict[str, str] = {
     "mtp": "freetoken.spec.mtp.method:MTPMethod",
     "dflash": "freetoken.spec.dflash.method:DFlashMethod",
     "oracle": "freetoken.spec.oracle:OracleDrafts",  # benchmarking only: replays a known continuation
+    "dflash-oracle": "freetoken.spec.oracle:OracleDFlash",  # benchmarking only: a DFlash draft's work, the oracle's tokens
 }
 
 

@@ -4,6 +4,8 @@ With the continuation of each request known (from a plain greedy run), the draft
 the target will emit, so every draft is accepted; `corrupt_rate` replaces each draft independently
 with a wrong token with that probability, which sets the per-token acceptance. This measures the
 runtime's speculative speedup as a function of acceptance, independent of any draft network.
+`OracleDFlash` runs a DFlash draft network in full on every step (so its cost is in the timing) and
+then proposes the oracle's tokens instead of the draft's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from freetoken.engine.request import Request
 from freetoken.engine.spec_protocol import CommittedRows, Proposal
+from freetoken.spec.dflash.method import DFlashMethod
 
 
 class OracleDrafts:
@@ -50,3 +53,21 @@ class OracleDrafts:
 
     def release(self, request: Request) -> None:
         """No per-request state."""
+
+
+class OracleDFlash(DFlashMethod):
+    """A DFlash draft that does all its work (context rows, one block per request, the logits and their
+    argmax or selector walk, read back to the host) and then proposes the oracle's drafts."""
+
+    def __init__(self, model, kv_pool, num_draft_tokens: int, device, origin: str | None = None, cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
+        super().__init__(model, kv_pool, num_draft_tokens, device, origin, cuda_graphs, max_blocks_per_seq)
+        self.oracle = OracleDrafts(model, kv_pool, num_draft_tokens, device)
+
+    def set_continuations(self, continuations: dict[int, list[int]], corrupt_rate: float = 0.0, seed: int = 0) -> None:
+        """As OracleDrafts.set_continuations."""
+        self.oracle.set_continuations(continuations, corrupt_rate, seed)
+
+    def propose(self, requests: Sequence[Request]) -> Proposal:
+        """The draft's own proposal is computed and dropped; the oracle's is returned."""
+        super().propose(requests)
+        return self.oracle.propose(requests)
