@@ -25,25 +25,25 @@ from freetoken import sampling
 from freetoken.spec.dflash.config import DFlashConfig
 
 
-def _shifted(rows: torch.Tensor, t: int) -> torch.Tensor:  # [B, ...] -> [B, ...]: row i holds rows[i - t], zeros before row t
+def _shifted(rows: torch.Tensor, t: int) -> torch.Tensor:  # [..., B, G, g] -> same: row i holds rows[i - t], zeros before row t
     out = torch.zeros_like(rows)
-    if t < rows.shape[0]:
-        out[t:] = rows[: rows.shape[0] - t]
+    n = rows.shape[-3]
+    if t < n:
+        out[..., t:, :, :] = rows[..., : n - t, :, :]
     return out
 
 
 def grouped_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """x [B, H] (the block's rows), dynamic [B, K, G], base [K, H] -> [B, H]:
+    """x [..., B, H] (blocks' rows), dynamic [..., B, K, G], base [K, H] -> [..., B, H]:
     out[i] = sum_t base[t] * x[i - t] + dynamic[i, t, g] * x[i - t], summed tap by tap in that order."""
-    num_rows, hidden = x.shape
-    groups = dynamic.shape[-1]
-    rows = x.view(num_rows, groups, hidden // groups)
+    hidden, groups = x.shape[-1], dynamic.shape[-1]
+    rows = x.view(*x.shape[:-1], groups, hidden // groups)
     out = torch.zeros_like(rows)
     for t in range(base.shape[0]):
         shifted = _shifted(rows, t)
         out = out + base[t].view(groups, -1) * shifted
-        out = torch.addcmul(out, dynamic[:, t, :, None], shifted)
-    return out.view(num_rows, hidden)
+        out = torch.addcmul(out, dynamic[..., t, :, None], shifted)
+    return out.view(x.shape)
 
 
 class GroupedDynamicConv(nn.Module):
@@ -58,12 +58,12 @@ class GroupedDynamicConv(nn.Module):
         self.kernel_projection = nn.Linear(h, 2 * k * g, bias=False)
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sublayer's normed input x [B, H] -> (its convolution [B, H], the finishing kernel [B, K, G])."""
-        dynamic = self.kernel_projection(x).view(x.shape[0], 2, self.kernel_size, self.num_groups)
-        return grouped_conv(x, dynamic[:, 0], self.base_kernel[0]), dynamic[:, 1]
+        """The sublayer's normed input x [..., B, H] -> (its convolution [..., B, H], the finishing kernel [..., B, K, G])."""
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
+        return grouped_conv(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
-        """The sublayer's output y [B, H] and prepare's kernel [B, K, G] -> [B, H]."""
+        """The sublayer's output y [..., B, H] and prepare's kernel [..., B, K, G] -> [..., B, H]."""
         return grouped_conv(y, dynamic, self.base_kernel[1])
 
 

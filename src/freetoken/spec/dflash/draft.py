@@ -18,6 +18,8 @@ attention runs in fp32 and rounds its output once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,13 +31,14 @@ from freetoken.spec.dflash.dflash2 import CandidateSelector, GroupedDynamicConv
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor | None:
-    """[Bq, Nk] bool, True where query position q_pos[i] sees key position k_pos[j]; None: sees all.
+    """q_pos [..., Bq], k_pos [..., Nk] -> [..., Bq, Nk] bool, True where query position q_pos[i] sees
+    key position k_pos[j]; None: sees all.
 
     Full and not causal: every key. Causal: k <= q. Sliding window W: also q - k < W, and k - q < W
     when not causal."""
     if not causal and window is None:
         return None
-    d = q_pos[:, None] - k_pos[None, :]  # [Bq, Nk]
+    d = q_pos[..., :, None] - k_pos[..., None, :]  # [..., Bq, Nk]
     keep = torch.ones_like(d, dtype=torch.bool)
     if causal:
         keep &= d >= 0
@@ -103,20 +106,36 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         return k.transpose(0, 1), v.transpose(0, 1)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Block rows h [B, H] (normed) at positions [B] over keys [context ctx_k/ctx_v [kv, n, hd] at
-        ctx_positions [n], block] -> [B, H]."""
-        b = h.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(h).view(b, self.num_heads, self.head_dim)), positions, inv_freq)
-        k, v = self.kv(h, positions, inv_freq)
-        k = torch.cat([ctx_k, k], dim=1).float().repeat_interleave(self.num_heads // self.num_kv_heads, dim=0)  # [heads, n+B, hd]
-        v = torch.cat([ctx_v, v], dim=1).float().repeat_interleave(self.num_heads // self.num_kv_heads, dim=0)
-        scores = q.transpose(0, 1).float() @ k.transpose(1, 2) * self.scale  # [heads, B, n+B]
-        mask = attention_mask(positions, torch.cat([ctx_positions, positions]), self.causal, self.window)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        out = (scores.softmax(dim=-1) @ v).to(h.dtype)  # [heads, B, hd]
-        return self.o_proj(out.transpose(0, 1).reshape(b, self.num_heads * self.head_dim))
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: "BlockContext", inv_freq: torch.Tensor) -> torch.Tensor:
+        """b blocks' rows h [b, B, H] (normed) at positions [b, B] over keys [this layer's context rows
+        (ctx), the block's own] -> [b, B, H]."""
+        b, n = h.shape[:2]
+        rows = h.reshape(b * n, -1)
+        q = apply_rope(self.q_norm(self.q_proj(rows).view(b * n, self.num_heads, self.head_dim)), positions.reshape(-1), inv_freq)
+        k, v = (t.view(self.num_kv_heads, b, n, self.head_dim).transpose(0, 1) for t in self.kv(rows, positions.reshape(-1), inv_freq))
+        group = self.num_heads // self.num_kv_heads
+        k = torch.cat([ctx.keys, k], dim=2).float().repeat_interleave(group, dim=1)  # [b, heads, n_ctx+B, hd]
+        v = torch.cat([ctx.values, v], dim=2).float().repeat_interleave(group, dim=1)
+        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2).float()  # [b, heads, B, hd]
+        scores = q @ k.transpose(2, 3) * self.scale  # [b, heads, B, n_ctx+B]
+        keep = attention_mask(positions, torch.cat([ctx.positions, positions], dim=1), self.causal, self.window)
+        if ctx.valid is not None:
+            valid = torch.cat([ctx.valid, ctx.valid.new_ones(b, n)], dim=1)[:, None, :]  # [b, 1, n_ctx+B]
+            keep = valid if keep is None else keep & valid
+        if keep is not None:
+            scores = scores.masked_fill(~keep[:, None], float("-inf"))
+        out = (scores.softmax(dim=-1) @ v).to(h.dtype)  # [b, heads, B, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+@dataclass(frozen=True)
+class BlockContext:
+    """One draft layer's context rows for b blocks (padded to the longest context)."""
+
+    keys: torch.Tensor  # [b, kv, n, hd]
+    values: torch.Tensor  # [b, kv, n, hd]
+    positions: torch.Tensor  # [b, n] int64
+    valid: torch.Tensor | None  # [b, n] bool, False on padding rows; None: no padding
 
 
 class DecoderLayer(nn.Module):
@@ -129,13 +148,13 @@ class DecoderLayer(nn.Module):
         self.attention_conv = GroupedDynamicConv(cfg) if cfg.is_dflash2 else None
         self.mlp_conv = GroupedDynamicConv(cfg) if cfg.is_dflash2 else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """x [B, H] -> [B, H]; the context rows of this layer ctx_k, ctx_v [kv, n, hd]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: "BlockContext", inv_freq: torch.Tensor) -> torch.Tensor:
+        """x [b, B, H] at positions [b, B] -> [b, B, H]; ctx: this layer's context rows."""
         if self.attention_conv is None:
-            x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_positions, inv_freq)
+            x = x + self.self_attn(self.input_layernorm(x), positions, ctx, inv_freq)
             return x + self.mlp(self.post_attention_layernorm(x))
         h, finishing = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(h, positions, ctx_k, ctx_v, ctx_positions, inv_freq), finishing)
+        x = x + self.attention_conv.finish(self.self_attn(h, positions, ctx, inv_freq), finishing)
         h, finishing = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(h), finishing)
 
@@ -172,13 +191,19 @@ class DFlashDraft(nn.Module):
         kvs = [layer.self_attn.kv(context, positions, inv_freq) for layer in self.layers]
         return torch.stack([k for k, _ in kvs]), torch.stack([v for _, v in kvs])
 
-    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_positions: torch.Tensor) -> torch.Tensor:
-        """One block: block_embeds [B, H] (the target's embeddings of [anchor, mask x (B-1)]) at
-        block_positions [B] (int64), attending to the context rows ctx_k, ctx_v [L, kv, n, hd] at
-        ctx_positions [n] -> the normed hidden [B, H]; slot j >= 1 predicts the token at
-        block_positions[j] through the target's lm_head."""
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_positions: torch.Tensor,
+                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """b blocks at once: block_embeds [b, B, H] (the target's embeddings of [anchor, mask x (B-1)])
+        at block_positions [b, B] (int64), each attending to its context rows ctx_k, ctx_v
+        [L, b, kv, n, hd] at ctx_positions [b, n], of which only those with ctx_valid [b, n] (all when
+        None; the rows of shorter contexts are padding) -> the normed hidden [b, B, H]; slot j >= 1
+        predicts the token at block_positions[:, j] through the target's lm_head. One block alone may
+        drop the b axis everywhere (embeds [B, H], ctx_k [L, kv, n, hd], ...)."""
+        if block_embeds.dim() == 2:
+            valid = None if ctx_valid is None else ctx_valid[None]
+            return self(block_embeds[None], block_positions[None], ctx_k[:, None], ctx_v[:, None], ctx_positions[None], valid)[0]
         inv_freq = self._inv_freq(block_embeds.device)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, block_positions, ctx_k[i], ctx_v[i], ctx_positions, inv_freq)
+            x = layer(x, block_positions, BlockContext(ctx_k[i], ctx_v[i], ctx_positions, ctx_valid), inv_freq)
         return self.norm(x)

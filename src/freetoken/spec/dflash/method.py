@@ -7,13 +7,16 @@ propose runs one block per request, [anchor, mask x (B - 1)] at positions start 
 (start = the request's cached tokens, the anchor its last token, not yet run by the target), over
 the context rows 0 .. start - 1, and takes the first k of the B - 1 slots' tokens as drafts (slot j
 predicts the token at start + j): each slot's argmax for DFlash, the candidate selector's walk over
-the slots' top-k tokens for DFlash2 (spec/dflash/dflash2.py). Every row the target commits (prefill chunks, the anchor and the
-accepted drafts of a verify) is observed once, so a request's context is always rows 0 .. start - 1,
-as in the dflash package's `dflash_generate` (reference/dflash.md §2). The draft holds no state
-beyond those rows, so a preempted request rebuilds them from its new prefill.
+the slots' top-k tokens for DFlash2 (spec/dflash/dflash2.py). Every row the target commits (prefill
+chunks, the anchor and the accepted drafts of a verify) is observed once, so a request's context is
+always rows 0 .. start - 1, as in the dflash package's `dflash_generate` (reference/dflash.md §2).
+The draft holds no state beyond those rows, so a preempted request rebuilds them from its new
+prefill.
 
-The draft runs eagerly in torch, one block per request; the target's verify steps are not CUDA
-graphs with this method (the engine replays only forwards that export no layers).
+The draft runs eagerly in torch, the blocks of all requests in one forward (each request's context
+rows copied into one tensor padded to the longest, the padding masked) and the committed rows of
+all requests in one `context_kv`; on the GPU the target's verify steps are CUDA graphs that export
+the taps (engine/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -81,31 +84,53 @@ class DFlashMethod:
         return request.draft_state or DFlashContext(self._no_rows, self._no_rows, 0)
 
     def observe(self, rows: Sequence[CommittedRows]) -> None:
-        """Append each request's committed rows to its draft context (their K and V in every draft layer)."""
-        for r in rows:
-            state = self._context(r.request)
+        """Append each request's committed rows to its draft context (their K and V in every draft
+        layer), the rows of all requests computed at once."""
+        if not rows:
+            return
+        states = [self._context(r.request) for r in rows]
+        for r, state in zip(rows, states):
             if r.first_position != state.num_rows:
                 raise RuntimeError(f"request {r.request.request_id}: committed rows start at {r.first_position}, its DFlash context holds {state.num_rows}")
-            positions = torch.arange(r.first_position, r.first_position + r.layer_hidden.shape[0], device=self.device)
-            state.append(*self.draft.context_kv(self.draft.context(r.layer_hidden), positions))
+        counts = [r.layer_hidden.shape[0] for r in rows]
+        positions = torch.cat([torch.arange(r.first_position, r.first_position + n) for r, n in zip(rows, counts)]).to(self.device)
+        features = torch.cat([r.layer_hidden for r in rows])  # [sum(counts), n_taps * H]
+        keys, values = self.draft.context_kv(self.draft.context(features), positions)  # [L, kv, sum(counts), hd] each
+        for r, state, k, v in zip(rows, states, keys.split(counts, dim=2), values.split(counts, dim=2)):
+            state.append(k, v)
             r.request.draft_state = state
 
-    def _block_hidden(self, request: Request) -> torch.Tensor:  # -> [B - 1, H]
-        """The draft's output for slots 1 .. B - 1 of the request's next block."""
-        start, block_size = request.num_cached_tokens, self.draft.config.block_size
-        state = self._context(request)
-        if state.num_rows != start:
-            raise RuntimeError(f"request {request.request_id}: its DFlash context holds {state.num_rows} rows, its anchor is at {start}")
-        ids = torch.full((block_size,), self.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0] = request.last_token_id
-        keys, values = state.rows()
-        hidden = self.draft(self.embed(ids), torch.arange(start, start + block_size, device=self.device), keys, values, torch.arange(start, device=self.device))
-        return hidden[1:]
+    def _blocks_hidden(self, requests: Sequence[Request]) -> torch.Tensor:  # -> [b, B - 1, H]
+        """The draft's output for slots 1 .. B - 1 of each request's next block, all blocks in one
+        forward over the requests' context rows (padded to the longest)."""
+        block_size, b = self.draft.config.block_size, len(requests)
+        states = [self._context(r) for r in requests]
+        starts = [r.num_cached_tokens for r in requests]
+        for r, state, start in zip(requests, states, starts):
+            if state.num_rows != start:
+                raise RuntimeError(f"request {r.request_id}: its DFlash context holds {state.num_rows} rows, its anchor is at {start}")
+        ids = torch.full((b, block_size), self.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([r.last_token_id for r in requests])
+        positions = (torch.tensor(starts)[:, None] + torch.arange(block_size)).to(self.device)  # [b, B]
+        longest = max(starts)
+        if all(n == longest for n in starts):
+            keys, values = (torch.stack(t, dim=1) for t in zip(*(state.rows() for state in states)))  # [L, b, kv, n, hd]
+            valid = None
+        else:
+            keys = self._no_rows.new_zeros(self._no_rows.shape[0], b, self._no_rows.shape[1], longest, self._no_rows.shape[3])
+            values = torch.zeros_like(keys)
+            for i, state in enumerate(states):
+                k, v = state.rows()
+                keys[:, i, :, : state.num_rows], values[:, i, :, : state.num_rows] = k, v
+            valid = (torch.arange(longest)[None] < torch.tensor(starts)[:, None]).to(self.device)
+        ctx_positions = torch.arange(longest, device=self.device).expand(b, longest)
+        hidden = self.draft(self.embed(ids.view(-1).to(self.device)).view(b, block_size, -1), positions, keys, values, ctx_positions, valid)
+        return hidden[:, 1:]
 
     def propose(self, requests: Sequence[Request]) -> Proposal:
         """k drafts per request from one draft block each; with sampled requests also their distributions q."""
         k = self.num_draft_tokens
-        hidden = torch.stack([self._block_hidden(r)[:k] for r in requests])  # [b, k, H]
+        hidden = self._blocks_hidden(requests)[:, :k]  # [b, k, H]
         logits = self.compute_logits(hidden.flatten(0, 1)).view(len(requests), k, -1)  # [b, k, V] fp32
         if self.draft.candidate_selector is not None:
             return self._select(requests, hidden, logits)
