@@ -11,6 +11,10 @@ with numpy and one asynchronous copy moves it to the device, where the captured 
 A replay computes exactly what the eager forward would (same kernels, same launch shapes). Capture
 needs the Triton path (no host syncs).
 
+Graphs built with `export_layers` (the spec method's target_layers, e.g. DFlash's taps) capture the
+forward with those layers exported: their rows land in one more static output beside the hidden one,
+`GraphStep.layer_hidden`. Without export_layers the captured forward is the plain one.
+
 Greedy batches (every request greedy, no penalties) capture the whole step: forward, lm_head, the
 greedy verify (argmax, accepted length, next token) and, for a verify, the commit of the accepted
 rows into the GDN state. The host then reads back one [2, B] tensor per step and does nothing else
@@ -125,6 +129,7 @@ class GraphStep:
     batch: SeqBatch  # the captured batch layout, kept alive with the graph: the device tensors its kernels read
     hidden: torch.Tensor  # [N, H] static output
     logits: torch.Tensor  # [N, V] static output (fp32; greedy graphs: the weights' dtype, and unread)
+    layer_hidden: torch.Tensor | None = None  # [N, n * H] static output: the export_layers' outputs (None without them)
     result: torch.Tensor | None = None  # greedy only: [2, B] int64 (accepted drafts, next token)
     commit_graph: torch.cuda.CUDAGraph | None = None  # sampled VERIFY only: the replay of the accepted rows
     accepted_rows: torch.Tensor | None = None  # [B] int32: rows each sequence commits (VERIFY)
@@ -138,10 +143,12 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, state_pool: LinearStatePool | None, device: torch.device,
-                 max_blocks_per_seq: int, max_num_seqs: int):
+                 max_blocks_per_seq: int, max_num_seqs: int, export_layers: tuple[int, ...] = ()):
         """Takes one KV block and one state slot out of the pools for the padding rows (the engine sizes
-        the pools with one spare of each)."""
+        the pools with one spare of each). export_layers: decoder layers whose outputs every captured
+        forward exports (the model forward's export_layers) into GraphStep.layer_hidden; () for none."""
         self.model, self.kv_pool, self.state_pool, self.device = model, kv_pool, state_pool, device
+        self.export_layers = tuple(export_layers)
         self.max_blocks = max_blocks_per_seq
         self.buckets = batch_buckets(max_num_seqs)
         self.pad_block = kv_pool.reserve_block()
@@ -169,8 +176,9 @@ class DecodeGraphs:
         return device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
 
     def run(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None = None) -> GraphStep:
-        """Replay the step of these uniform row groups (captured on first use); read its outputs from the
-        result: the groups' rows come first, then the padding rows up to the bucket.
+        """Replay the step of these uniform row groups (captured on first use); read its outputs (hidden,
+        logits, layer_hidden, result) from the returned step: the groups' rows come first, then the
+        padding rows up to the bucket. They hold until the next replay of the same step.
 
         fed_back_rows (greedy one-row steps): group i's input token is the next token of row
         fed_back_rows[i] of the greedy one-row step replayed just before this one, taken on the device."""
@@ -214,22 +222,22 @@ class DecodeGraphs:
         def step():
             if feeds_back:
                 kernels.take_fed_back(views["input_ids"], views["fed_back_rows"], self.last_tokens)
-            hidden = self.model(ctx)
+            hidden, layer_hidden = self.model(ctx, export_layers=self.export_layers) if self.export_layers else (self.model(ctx), None)
             logits = self.model.compute_logits(hidden, upcast=not (greedy and kernels.TRITON_STEP_GLUE))  # greedy: read by the argmax alone
             if not greedy:
-                return hidden, logits, None
+                return hidden, layer_hidden, logits, None
             drafts = ctx.input_ids.view(num_seqs, rows)[:, 1:]
             result = sampling.greedy_verify_stacked(logits, drafts, self.last_tokens if feeds_back else None)
             if replay is not None:
                 accepted_rows.copy_(result[0] + 1)
                 self.model.commit(ctx, replay)
-            return hidden, logits, result
+            return hidden, layer_hidden, logits, result
 
         restore = self._saver(batch)
-        graph, (hidden, logits, result) = record_graph(step, self.pool, restore)
+        graph, (hidden, layer_hidden, logits, result) = record_graph(step, self.pool, restore)
         self.pool = graph.pool()
         assert seq_batch(ctx) is batch
-        entry = GraphStep(graph, staging, ctx, batch, hidden, logits, result, accepted_rows=accepted_rows)
+        entry = GraphStep(graph, staging, ctx, batch, hidden, logits, layer_hidden, result, accepted_rows=accepted_rows)
         if replay is not None and not greedy:
             entry.commit_graph, _ = record_graph(lambda: self.model.commit(ctx, replay), self.pool, restore)
         return entry

@@ -102,9 +102,9 @@ class LLMEngine:
         max_blocks_per_seq = -(-(config.max_model_len + k + 1) // config.block_size)
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin,
                                                                cuda_graphs=config.cuda_graphs, max_blocks_per_seq=max_blocks_per_seq)
-        # the graphs replay forwards that export no layers (a method with target_layers runs its verify steps eagerly)
-        use_graphs = use_graphs and not self.spec.target_layers
-        self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq, config.max_num_seqs) if use_graphs else None
+        # the graphs export the layers the method reads (target_layers), as the eager forward does
+        self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq, config.max_num_seqs,
+                                   export_layers=self.spec.target_layers) if use_graphs else None
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
@@ -208,13 +208,14 @@ class LLMEngine:
         if self.graphs is not None:
             step = self.graphs.run(groups, mode, greedy)  # outputs of padding rows follow the requests' rows
             rows = len(requests) * (k + 1)
+            layer_hidden = None if step.layer_hidden is None else step.layer_hidden[:rows]
             if greedy:  # verify and commit ran inside the graph
                 accepted, next_tokens = step.result[:, : len(requests)].tolist()
-                return step.hidden[:rows], None, accepted, next_tokens
+                return step.hidden[:rows], layer_hidden, accepted, next_tokens
             result = self._sample(step.logits[:rows], requests, proposal)
             if k > 0:
                 self.graphs.commit(step, result.accepted_len + 1)  # on the device: no host round trip first
-            return step.hidden[:rows], None, result.accepted_len.tolist(), result.next_token.tolist()
+            return step.hidden[:rows], layer_hidden, result.accepted_len.tolist(), result.next_token.tolist()
         ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
         hidden, layer_hidden = self._forward(ctx)
         result = self._sample(self.model.compute_logits(hidden), requests, proposal)
