@@ -26,6 +26,8 @@ from freetoken.spec.dflash.dflash2 import grouped_conv
 from freetoken.spec.dflash.draft import DFlashDraft
 from tests.conftest import FIXTURES
 from tests.spec.test_dflash_draft import TINY, _target_embed_head
+from tests.spec.test_dflash_draft import _run_sequence as run_dflash_sequence
+from tests.spec.test_dflash_draft import fixture_config_dict as v1_config_dict
 
 DRAFT_DIR = FIXTURES / "qwen35_dense_dflash" / "dflash2"
 REF = FIXTURES / "qwen35_dense_dflash" / "ref" / "dflash2.safetensors"
@@ -36,32 +38,11 @@ needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def fixture_config_dict() -> dict:
-    """The manifest entry the converter writes, built by hand from the fixture's HF config.json."""
-    hf = json.loads((DRAFT_DIR / "config.json").read_text())
-    d = hf["dflash_config"]
-    return {
-        "architecture": hf["architectures"][0],
-        "hidden_size": hf["hidden_size"],
-        "num_hidden_layers": hf["num_hidden_layers"],
-        "num_attention_heads": hf["num_attention_heads"],
-        "num_key_value_heads": hf["num_key_value_heads"],
-        "head_dim": hf["head_dim"],
-        "intermediate_size": hf["intermediate_size"],
-        "rms_norm_eps": hf["rms_norm_eps"],
-        "rope_theta": float(hf["rope_parameters"]["rope_theta"]),
-        "block_size": d["block_size"],
-        "mask_token_id": d["mask_token_id"],
-        "target_layer_ids": d["target_layer_ids"],
-        "layer_types": hf["layer_types"],
-        "sliding_window": hf["sliding_window"],
-        "causal": [hf["is_causal"]] * hf["num_hidden_layers"],
-        "attention_bias": hf["attention_bias"],
-        "conv_kernel_size": d["conv_kernel_size"],
-        "conv_group_size": d["conv_group_size"],
-        "selector_rank": d["selector_rank"],
-        "selector_top_k": d["selector_top_k"],
-        "vocab_size": hf["vocab_size"],
-    }
+    """The manifest entry the converter writes, built by hand from the fixture's HF config.json
+    (block_size and the DFlash2 settings in dflash_config, is_causal false)."""
+    nested = json.loads((DRAFT_DIR / "config.json").read_text())["dflash_config"]
+    dflash2 = {key: nested[key] for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+    return v1_config_dict(DRAFT_DIR) | dflash2 | {"vocab_size": json.loads((DRAFT_DIR / "config.json").read_text())["vocab_size"]}
 
 
 @cache
@@ -76,21 +57,9 @@ def _refs() -> dict[str, torch.Tensor]:
     return load_file(REF)
 
 
-@torch.no_grad()
 def _run_sequence(draft: DFlashDraft, seq: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Our context, cache rows and, per anchor, the block's hidden [A, B, H] and logits [A, B-1, V] fp32."""
-    refs, (embed, head) = _refs(), _target_embed_head()
-    p = f"seq{seq}."
-    features = refs[p + "target_features"].to(device, dtype)
-    context = draft.context(features)
-    ctx_k, ctx_v = draft.context_kv(context, torch.arange(features.shape[0], device=device))
-    hidden = []
-    for ids, a in zip(refs[p + "block_ids"].long(), refs[p + "anchor_positions"].tolist()):
-        b = ids.shape[0]
-        hidden.append(draft(embed[ids].to(device, dtype), torch.arange(a, a + b, device=device), ctx_k[:, :, :a], ctx_v[:, :, :a], torch.arange(a, device=device)))
-    hidden = torch.stack(hidden)
-    logits = hidden[:, 1:].float() @ head.to(device).T
-    return {"context": context, "ctx_k": ctx_k, "ctx_v": ctx_v, "draft_hidden": hidden, "draft_logits": logits}
+    """Our context, cache rows and, per anchor, the block's hidden [A, B, H] and logits [A, B-1, V] (fp32, CPU)."""
+    return run_dflash_sequence(draft, seq, dtype, device, refs=_refs())
 
 
 def test_parameter_names_are_the_checkpoint_tensor_names():
@@ -179,9 +148,10 @@ def test_bf16_close_to_fp32_reference(device):
     draft = _draft(torch.bfloat16, device)
     for seq in SEQS:
         ours = _run_sequence(draft, seq, torch.bfloat16, device)
-        torch.testing.assert_close(ours["draft_hidden"].float().cpu(), refs[f"seq{seq}.draft_hidden"], rtol=0.05, atol=0.1)
+        torch.testing.assert_close(ours["draft_hidden"], refs[f"seq{seq}.draft_hidden"], rtol=0.05, atol=0.1)
         anchors = refs[f"seq{seq}.block_ids"][:, 0].long().to(device)
-        drafts, _ = draft.candidate_selector.walk(ours["draft_hidden"][:, 1:], ours["draft_logits"], anchors, [0.0] * len(anchors), [None] * len(anchors))
+        hidden, logits = ours["draft_hidden"][:, 1:].to(device, torch.bfloat16), ours["draft_logits"].to(device)
+        drafts, _ = draft.candidate_selector.walk(hidden, logits, anchors, [0.0] * len(anchors), [None] * len(anchors))
         agree += int((drafts.cpu() == refs[f"seq{seq}.selector_path"].long()).sum())
         total += drafts.numel()
     assert agree >= 0.8 * total, f"the walk agrees on {agree} of {total} slots"

@@ -42,9 +42,11 @@ TINY = {
 }  # fmt: skip
 
 
-def fixture_config_dict() -> dict:
-    """The manifest entry the converter writes, built by hand from the fixture's HF config.json."""
-    hf = json.loads((DRAFT_DIR / "config.json").read_text())
+def fixture_config_dict(draft_dir=DRAFT_DIR) -> dict:
+    """The manifest entry the converter writes, built by hand from a fixture draft's HF config.json
+    (the DFlash one: block_size at the top level, full layers without is_causal, so bidirectional)."""
+    hf = json.loads((draft_dir / "config.json").read_text())
+    nested = hf["dflash_config"]
     return {
         "architecture": hf["architectures"][0],
         "hidden_size": hf["hidden_size"],
@@ -55,12 +57,12 @@ def fixture_config_dict() -> dict:
         "intermediate_size": hf["intermediate_size"],
         "rms_norm_eps": hf["rms_norm_eps"],
         "rope_theta": float(hf["rope_parameters"]["rope_theta"]),
-        "block_size": hf["block_size"],
-        "mask_token_id": hf["dflash_config"]["mask_token_id"],
-        "target_layer_ids": hf["dflash_config"]["target_layer_ids"],
+        "block_size": nested.get("block_size", hf.get("block_size")),
+        "mask_token_id": nested["mask_token_id"],
+        "target_layer_ids": nested["target_layer_ids"],
         "layer_types": hf["layer_types"],
         "sliding_window": hf["sliding_window"],
-        "causal": [False, False],  # is_causal absent and both layers full: bidirectional
+        "causal": [hf.get("is_causal", False)] * hf["num_hidden_layers"],
         "attention_bias": hf["attention_bias"],
     }
 
@@ -85,9 +87,10 @@ def _refs() -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _run_sequence(draft: DFlashDraft, seq: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Our context, cache rows and, per anchor, the block's hidden and logits, for one fixture sequence."""
-    refs, (embed, head) = _refs(), _target_embed_head()
+def _run_sequence(draft: DFlashDraft, seq: int, dtype: torch.dtype = torch.float32, device: str = "cpu", refs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Our context, cache rows and, per anchor, the block's hidden and logits (fp32, on the CPU), for
+    one sequence of `refs` (this draft's reference file by default)."""
+    refs, (embed, head) = refs if refs is not None else _refs(), _target_embed_head()
     p = f"seq{seq}."
     features = refs[p + "target_features"].to(device, dtype)
     t = features.shape[0]
