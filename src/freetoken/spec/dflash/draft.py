@@ -106,7 +106,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         return k.transpose(0, 1), v.transpose(0, 1)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: "BlockContext", inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: BlockContext, inv_freq: torch.Tensor) -> torch.Tensor:
         """b blocks' rows h [b, B, H] (normed) at positions [b, B] over keys [this layer's context rows
         (ctx), the block's own] -> [b, B, H]."""
         b, n = h.shape[:2]
@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
         self.attention_conv = GroupedDynamicConv(cfg) if cfg.is_dflash2 else None
         self.mlp_conv = GroupedDynamicConv(cfg) if cfg.is_dflash2 else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: "BlockContext", inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: BlockContext, inv_freq: torch.Tensor) -> torch.Tensor:
         """x [b, B, H] at positions [b, B] -> [b, B, H]; ctx: this layer's context rows."""
         if self.attention_conv is None:
             x = x + self.self_attn(self.input_layernorm(x), positions, ctx, inv_freq)
