@@ -61,6 +61,27 @@ def _head_summary(name: str, entry: dict) -> str:
     return f"{name} ({', '.join(f'{k}={v}' for k, v in entry.items())})"
 
 
+def _dflash_rows(path: Path) -> Rows:
+    """A DFlash draft directory as released: its settings as the dflash package reads them
+    (`dflash_config` first, then the top level), before any check against a target."""
+    from freetoken.converters.dflash import draft_value
+
+    config = json.loads((path / "config.json").read_text())
+    rows = [("format", "DFlash draft"), ("architecture", ", ".join(config.get("architectures") or []))]
+    for label, key in (("hidden size", "hidden_size"), ("layers", "num_hidden_layers"), ("layer types", "layer_types")):
+        rows.append((label, str(config.get(key, "-"))))
+    for label, key in (("block size", "block_size"), ("taps (target layers)", "target_layer_ids"), ("mask token id", "mask_token_id"),
+                       ("conv kernel / group", "conv_kernel_size"), ("selector rank / top-k", "selector_rank")):
+        value = draft_value(config, key)
+        if key == "conv_kernel_size" and value is not None:
+            value = f"{value} / {draft_value(config, 'conv_group_size')}"
+        if key == "selector_rank" and value is not None:
+            value = f"{value} / {draft_value(config, 'selector_top_k')}"
+        if value is not None or key in ("block_size", "target_layer_ids", "mask_token_id"):
+            rows.append((label, "-" if value is None else str(value)))
+    return rows
+
+
 def _unified_rows(path: Path) -> Rows:
     from freetoken.checkpoint import UnifiedCheckpoint
     from freetoken.models.qwen3_5.config import Qwen35Config
@@ -164,8 +185,7 @@ def inspect(
     elif fmt == "hf":
         rows = _hf_rows(resolved)
     else:
-        config = json.loads((resolved / "config.json").read_text())
-        rows = [("format", "DFlash draft"), ("architecture", ", ".join(config.get("architectures", [])))]
+        rows = _dflash_rows(resolved)
     table = Table(title=str(path), show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")

@@ -65,7 +65,7 @@ def _or_default(raw: dict, key: str, default: Any) -> Any:
     return raw[key] if raw.get(key) is not None else default
 
 
-def _draft_value(raw: dict, key: str, default: Any = None) -> Any:
+def draft_value(raw: dict, key: str, default: Any = None) -> Any:
     """`dflash_config[key]` if present, else the top-level `key`, else `default` (the package's lookup order)."""
     nested = raw.get("dflash_config") or {}
     if isinstance(nested, dict) and nested.get(key) is not None:
@@ -136,7 +136,7 @@ def _causal(raw: dict, layer_types: tuple[str, ...], path: Path) -> tuple[bool, 
 
 def _target_layer_ids(raw: dict, num_layers: int, target_layers: int, path: Path) -> tuple[int, ...]:
     """Explicit taps, or the package's default from `num_target_layers` (the target's trunk depth when absent)."""
-    ids = _draft_value(raw, "target_layer_ids")
+    ids = draft_value(raw, "target_layer_ids")
     if ids is None:
         num_target_layers = _or_default(raw, "num_target_layers", target_layers)
         if not _is_int(num_target_layers):
@@ -151,7 +151,7 @@ def _target_layer_ids(raw: dict, num_layers: int, target_layers: int, path: Path
 
 
 def _mask_token_id(raw: dict, vocab_size: int, path: Path) -> int:
-    mask = _draft_value(raw, "mask_token_id")
+    mask = draft_value(raw, "mask_token_id")
     if mask is None:
         raise CheckpointError("no mask_token_id (neither in dflash_config nor at the top level)", path)
     if not _is_int(mask) or not 0 <= mask < vocab_size:
@@ -160,7 +160,7 @@ def _mask_token_id(raw: dict, vocab_size: int, path: Path) -> int:
 
 
 def _block_size(raw: dict, path: Path) -> int:
-    block = _draft_value(raw, "block_size", DEFAULT_BLOCK_SIZE)
+    block = draft_value(raw, "block_size", DEFAULT_BLOCK_SIZE)
     if not _is_int(block) or block < 2:
         raise CheckpointError(f"block_size must be an int >= 2, got {block!r}", path)
     return block
@@ -170,7 +170,7 @@ def _dflash2_fields(raw: dict, target: dict, path: Path) -> dict[str, Any]:
     """The convolution and selector settings of a DFlash2 draft (no defaults: the package needs them)."""
     out = {}
     for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-        value = _draft_value(raw, key)
+        value = draft_value(raw, key)
         if not _is_int(value) or value < 1:
             raise CheckpointError(f"a DFlash2 draft needs a positive int {key} (in dflash_config), got {value!r}", path)
         out[key] = value

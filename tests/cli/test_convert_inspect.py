@@ -127,6 +127,16 @@ def test_convert_and_inspect_with_dflash(app, tmp_path, target):
     assert "mtp (num_layers=1)" in res.output and "DFlash draft from" in res.output
 
 
+def test_inspect_draft_directories(app):
+    res = _run(app, "inspect", DRAFTS / "dflash2")
+    assert res.exit_code == 0, res.output
+    for field, value in (("architecture", "DFlash2DraftModel"), ("block size", "4"), ("taps (target layers)", "[0, 2]"), ("mask token id", "1023"),
+                         ("conv kernel / group", "2 / 16"), ("selector rank / top-k", "8 / 4")):
+        assert any(field in line and value in line for line in res.output.splitlines()), (field, res.output)
+    res = _run(app, "inspect", DRAFTS / "dflash")
+    assert res.exit_code == 0 and "DFlashDraftModel" in res.output and "selector" not in res.output, res.output
+
+
 def test_convert_and_inspect_with_dflash2(app, tmp_path):
     res = _run(app, "convert", FIXTURES / "qwen35_dense" / "hf", tmp_path / "out", "--dflash", DRAFTS / "dflash2")
     assert res.exit_code == 0, res.output
