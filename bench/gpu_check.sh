@@ -2,7 +2,7 @@
 # Everything the GPU issue records, in one run on a CUDA machine with the project installed:
 # the cuda-marked tests (8 pytest workers: compiling the Triton kernels dominates their time), a sweep
 # of the kernels they compiled for fused bf16 products, GPU parity in bf16 for both fixture families
-# (MTP) and for the dense one with its DFlash draft,
+# (MTP) and for the dense one with its DFlash and DFlash2 drafts,
 # and the bench runs; the tests and parity read FIXTURES_DIR. Results go to ${OUT:-bench/results/gpu-check}.
 #
 #     bash bench/gpu_check.sh [FIXTURES_DIR]      # FIXTURES_DIR defaults to ../shared/fixtures
