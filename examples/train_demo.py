@@ -526,6 +526,14 @@ def batch_starts(n_tokens: int, t: TrainConfig) -> torch.Tensor:
     return torch.randint(0, n_tokens - t.seq_len - 1, (t.steps, t.batch_size), generator=gen)
 
 
+def token_stream(tok, texts: list[str], eos: int) -> torch.Tensor:
+    """The texts' ids, each followed by eos, as one stream [n] int64."""
+    ids: list[int] = []
+    for e in tok.encode_batch(texts):
+        ids += e.ids + [eos]
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:  # -> [B, length]
     return stream[starts[:, None] + torch.arange(length)]
 
@@ -664,14 +672,8 @@ def main(argv=None) -> dict:
     save_tokenizer(tok, out)
     eos = mc.eos_token_id
 
-    def encode(texts: list[str]) -> torch.Tensor:
-        ids = []
-        for e in tok.encode_batch(texts):
-            ids += e.ids + [eos]
-        return torch.tensor(ids, dtype=torch.long)
-
-    train_stream = encode(train_texts)
-    heldout_stream = encode([read(p) for p in heldout_files[: max(4, tc.eval_windows)]])
+    train_stream = token_stream(tok, train_texts, eos)
+    heldout_stream = token_stream(tok, [read(p) for p in heldout_files[: max(4, tc.eval_windows)]], eos)
     prompt_ids = [tok.encode(p["prompt"]).ids for p in prompts[: tc.eval_prompts]]
     print(f"corpus: {len(train_files)} train files ({len(train_stream)} tokens), {len(heldout_files)} held out; "
           f"vocab {mc.vocab_size}; setup {time.time() - t0:.1f}s", flush=True)

@@ -140,21 +140,12 @@ def corpus(stdlib: Path | None, cfg: DraftTrainConfig, prompts: list[str]) -> tu
     return kept, [td.read(p) for p in heldout], info
 
 
-def token_stream(tok, texts: list[str], eos: int) -> torch.Tensor:
-    """The texts' ids, each followed by eos (as train_demo.py builds its stream)."""
-    ids: list[int] = []
-    for e in tok.encode_batch(texts, add_special_tokens=False):
-        ids += e.ids + [eos]
-    return torch.tensor(ids, dtype=torch.long)
-
-
 def pick_windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
     """n distinct non-overlapping windows [n, length] of the stream, in a seeded random order."""
     total = len(stream) // length
     if total < n:
         raise FreetokenError(f"the corpus gives {total} windows of {length} tokens, fewer than the {n} asked for")
-    starts = torch.randperm(total, generator=gen)[:n] * length
-    return stream[starts[:, None] + torch.arange(length)]
+    return _train_demo().windows(stream, torch.randperm(total, generator=gen)[:n] * length, length)
 
 
 # ------------------------------------------------------------------------------------------ target
@@ -312,13 +303,6 @@ def block_losses(draft, embed: torch.Tensor, feats, hidden, tokens, anchors, cfg
     return {"loss": cfg.ce_weight * ce_w + cfg.kd_weight * kd_w, "ce": ce_w, "kd": kd_w, "agree": agree}
 
 
-def lr_at(step: int, cfg: DraftTrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    p = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
-
-
 def train(draft, embed, feats, hidden, tokens, cfg: DraftTrainConfig, mask_id: int) -> list[dict]:
     """AdamW over `cfg.steps` steps of windows_per_step windows x anchors_per_window blocks, in a seeded order."""
     decay = [p for p in draft.parameters() if p.ndim >= 2]
@@ -331,7 +315,7 @@ def train(draft, embed, feats, hidden, tokens, cfg: DraftTrainConfig, mask_id: i
     log, t0 = [], time.time()
     for step in range(cfg.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = _train_demo().lr_at(step, cfg)  # the same warm-up and cosine schedule
         w = order[step * cfg.windows_per_step : (step + 1) * cfg.windows_per_step]
         anchors = sample_anchors(len(w), cfg.anchors_per_window, cfg.seq_len, cfg.block_size, gen)
         stats = block_losses(draft, embed, feats[w].float(), hidden[w].float(), tokens[w], anchors, cfg, mask_id)
@@ -464,10 +448,10 @@ def main(argv=None) -> dict:
     embed = target.model.embed_tokens.weight.detach()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     train_texts, heldout_texts, info = corpus(args.stdlib, cfg, prompts)
-    stream = token_stream(tok, train_texts, eos)
+    stream = _train_demo().token_stream(tok, train_texts, eos)
     gen = torch.Generator().manual_seed(cfg.seed)
     windows = pick_windows(stream, cfg.num_windows, cfg.seq_len, gen)
-    held = pick_windows(token_stream(tok, heldout_texts, eos), cfg.heldout_windows, cfg.seq_len, gen)
+    held = pick_windows(_train_demo().token_stream(tok, heldout_texts, eos), cfg.heldout_windows, cfg.seq_len, gen)
     info |= {"train_tokens": len(stream), "window_tokens": windows.numel(), "mask_token_id": mask_id}
     print(f"corpus: {info}; setup {time.time() - t0:.1f}s", flush=True)
 
