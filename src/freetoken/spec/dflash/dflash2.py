@@ -108,11 +108,11 @@ class CandidateSelector(nn.Module):
         for j in range(logits.shape[1]):
             scores = self.scores(unary[:, j], candidate_ids[:, j], chosen, projected[:, j])  # [n, top_k] fp32
             chosen = candidate_ids[:, j].gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
-            q = torch.zeros_like(logits[:, j]).scatter_(1, chosen[:, None], 1.0)  # [n, V]
-            if sampled:
+            if sampled:  # all-greedy walks need no q: no [n, V] tensor a slot
+                q = torch.zeros_like(logits[:, j]).scatter_(1, chosen[:, None], 1.0)  # [n, V]
                 over_candidates = torch.softmax(scores[index] / temperature, dim=-1)
                 q[index] = torch.zeros_like(q[index]).scatter_(1, candidate_ids[index, j], over_candidates)
                 chosen[index] = sampling.draw(q[index], [generators[i] for i in sampled])
+                probs.append(q)
             drafts.append(chosen)
-            probs.append(q)
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if sampled else None

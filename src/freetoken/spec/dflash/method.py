@@ -113,16 +113,13 @@ class DFlashMethod:
         ids[:, 0] = torch.tensor([r.last_token_id for r in requests])
         positions = (torch.tensor(starts)[:, None] + torch.arange(block_size)).to(self.device)  # [b, B]
         longest = max(starts)
-        if all(n == longest for n in starts):
-            keys, values = (torch.stack(t, dim=1) for t in zip(*(state.rows() for state in states)))  # [L, b, kv, n, hd]
-            valid = None
-        else:
-            keys = self._no_rows.new_zeros(self._no_rows.shape[0], b, self._no_rows.shape[1], longest, self._no_rows.shape[3])
-            values = torch.zeros_like(keys)
-            for i, state in enumerate(states):
-                k, v = state.rows()
-                keys[:, i, :, : state.num_rows], values[:, i, :, : state.num_rows] = k, v
-            valid = (torch.arange(longest)[None] < torch.tensor(starts)[:, None]).to(self.device)
+        layers, kv_heads, _, head_dim = self._no_rows.shape
+        keys = self._no_rows.new_zeros(layers, b, kv_heads, longest, head_dim)  # [L, b, kv, n, hd]
+        values = torch.zeros_like(keys)
+        for i, state in enumerate(states):
+            keys[:, i, :, : state.num_rows], values[:, i, :, : state.num_rows] = state.rows()
+        # the rows past a shorter context are padding (None: every context is the longest)
+        valid = None if min(starts) == longest else (torch.arange(longest)[None] < torch.tensor(starts)[:, None]).to(self.device)
         ctx_positions = torch.arange(longest, device=self.device).expand(b, longest)
         hidden = self.draft(self.embed(ids.view(-1).to(self.device)).view(b, block_size, -1), positions, keys, values, ctx_positions, valid)
         return hidden[:, 1:]
