@@ -67,18 +67,19 @@ def _dflash_rows(path: Path) -> Rows:
     from freetoken.converters.dflash import draft_value
 
     config = json.loads((path / "config.json").read_text())
-    rows = [("format", "DFlash draft"), ("architecture", ", ".join(config.get("architectures") or []))]
-    for label, key in (("hidden size", "hidden_size"), ("layers", "num_hidden_layers"), ("layer types", "layer_types")):
-        rows.append((label, str(config.get(key, "-"))))
-    for label, key in (("block size", "block_size"), ("taps (target layers)", "target_layer_ids"), ("mask token id", "mask_token_id"),
-                       ("conv kernel / group", "conv_kernel_size"), ("selector rank / top-k", "selector_rank")):
-        value = draft_value(config, key)
-        if key == "conv_kernel_size" and value is not None:
-            value = f"{value} / {draft_value(config, 'conv_group_size')}"
-        if key == "selector_rank" and value is not None:
-            value = f"{value} / {draft_value(config, 'selector_top_k')}"
-        if value is not None or key in ("block_size", "target_layer_ids", "mask_token_id"):
-            rows.append((label, "-" if value is None else str(value)))
+
+    def value(key: str) -> str:
+        found = draft_value(config, key)
+        return "-" if found is None else str(found)
+
+    rows = [
+        ("format", "DFlash draft"), ("architecture", ", ".join(config.get("architectures") or [])),
+        ("hidden size", value("hidden_size")), ("layers", value("num_hidden_layers")), ("layer types", value("layer_types")),
+        ("block size", value("block_size")), ("taps (target layers)", value("target_layer_ids")), ("mask token id", value("mask_token_id")),
+    ]
+    if draft_value(config, "conv_kernel_size") is not None:  # DFlash2
+        rows += [("conv kernel / group", f"{value('conv_kernel_size')} / {value('conv_group_size')}"),
+                 ("selector rank / top-k", f"{value('selector_rank')} / {value('selector_top_k')}")]
     return rows
 
 
