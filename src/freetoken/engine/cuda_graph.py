@@ -43,7 +43,7 @@ import torch
 from freetoken import kernels, sampling
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
-from freetoken.engine.runner import RowGroup, build_context
+from freetoken.engine.runner import RowGroup, build_context, run_target
 from freetoken.forward_context import ForwardContext, ForwardMode
 from freetoken.kernels.batched import SeqBatch, seq_batch
 
@@ -222,7 +222,7 @@ class DecodeGraphs:
         def step():
             if feeds_back:
                 kernels.take_fed_back(views["input_ids"], views["fed_back_rows"], self.last_tokens)
-            hidden, layer_hidden = self.model(ctx, export_layers=self.export_layers) if self.export_layers else (self.model(ctx), None)
+            hidden, layer_hidden = run_target(self.model, ctx, self.export_layers)
             logits = self.model.compute_logits(hidden, upcast=not (greedy and kernels.TRITON_STEP_GLUE))  # greedy: read by the argmax alone
             if not greedy:
                 return hidden, layer_hidden, logits, None

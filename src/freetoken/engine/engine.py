@@ -37,7 +37,7 @@ from freetoken.engine.cuda_graph import DecodeGraphs
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.request import Request, RequestStatus
-from freetoken.engine.runner import RowGroup, build_context
+from freetoken.engine.runner import RowGroup, build_context, run_target
 from freetoken.engine.scheduler import PrefillChunk, Scheduler
 from freetoken.engine.spec_protocol import CommittedRows, SpecMethod
 from freetoken.forward_context import ForwardMode
@@ -182,7 +182,7 @@ class LLMEngine:
         groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length],
                            chunkable_end=len(c.request.prompt_token_ids) // align * align) for c in chunks]
         ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
-        hidden, layer_hidden = self._forward(ctx)
+        hidden, layer_hidden = run_target(self.model, ctx, self.spec.target_layers)
         committed = []
         for chunk, seq in zip(chunks, ctx.seqs):
             request = chunk.request
@@ -192,12 +192,6 @@ class LLMEngine:
                                            None if layer_hidden is None else layer_hidden[seq.rows]))
             self.stats.prefill_tokens += chunk.length
         self.spec.observe(committed)
-
-    def _forward(self, ctx) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's eager forward -> (post-norm hidden [N, H], outputs of the method's target layers [N, n * H] or None)."""
-        if not self.spec.target_layers:
-            return self.model(ctx), None
-        return self.model(ctx, export_layers=self.spec.target_layers)
 
     def _verify(self, requests: list[Request], groups: list[RowGroup], proposal) -> tuple[torch.Tensor, torch.Tensor | None, list[int], list[int]]:
         """Target forward over every request's k+1 rows, verify, commit -> (hidden [B*(k+1), H], the
@@ -217,7 +211,7 @@ class LLMEngine:
                 self.graphs.commit(step, result.accepted_len + 1)  # on the device: no host round trip first
             return step.hidden[:rows], layer_hidden, result.accepted_len.tolist(), result.next_token.tolist()
         ctx = build_context(groups, mode, self.kv_pool, self.state_pool, self.device)
-        hidden, layer_hidden = self._forward(ctx)
+        hidden, layer_hidden = run_target(self.model, ctx, self.spec.target_layers)
         result = self._sample(self.model.compute_logits(hidden), requests, proposal)
         accepted = result.accepted_len.tolist()
         if k > 0:

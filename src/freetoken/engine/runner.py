@@ -1,4 +1,4 @@
-"""Turns scheduled rows into a ForwardContext on the model's device."""
+"""Turns scheduled rows into a ForwardContext on the model's device, and runs the target over it."""
 
 from __future__ import annotations
 
@@ -51,3 +51,11 @@ def build_context(groups: list[RowGroup], mode: ForwardMode, kv_pool: KVPool, st
         kv=kv_pool.cache,
         linear_state=state_pool.state if state_pool is not None else None,
     )
+
+
+def run_target(model: torch.nn.Module, ctx: ForwardContext, export_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's forward -> (post-norm hidden [N, H], the outputs of export_layers [N, n * H], None
+    when there are none: then the forward is the plain one)."""
+    if not export_layers:
+        return model(ctx), None
+    return model(ctx, export_layers=export_layers)
