@@ -68,7 +68,7 @@ def random_dflash_draft(shape: str, cfg: Qwen35Config, device: str, dtype: torch
     weights 1, matrices N(0, 1/fan_in)); its mask token is the last of the vocabulary."""
     from freetoken.converters.dflash import build_target_layer_ids
     from freetoken.spec.dflash.config import DFlashConfig
-    from freetoken.spec.dflash.draft import DFlashDraft
+    from freetoken.spec.dflash.loader import empty_draft
 
     layers = DFLASH_SHAPES[shape]["num_hidden_layers"]
     draft_cfg = DFlashConfig(
@@ -76,9 +76,7 @@ def random_dflash_draft(shape: str, cfg: Qwen35Config, device: str, dtype: torch
         block_size=DFLASH_BLOCK_SIZE, mask_token_id=cfg.vocab_size - 1, target_layer_ids=tuple(build_target_layer_ids(cfg.num_hidden_layers, layers)),
         layer_types=("full_attention",) * layers, sliding_window=None, causal=(False,) * layers, attention_bias=False,
     )
-    with torch.device("meta"):
-        draft = DFlashDraft(draft_cfg)
-    draft = draft.to_empty(device=device).to(dtype).eval()
+    draft = empty_draft(draft_cfg, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     for name, p in draft.named_parameters():
         if name.endswith("norm.weight"):

@@ -30,8 +30,13 @@ def load_draft(source, head: dict, target_num_layers: int, target_hidden_size: i
         raise CheckpointError(f"the DFlash draft reads target layers {outside}, outside the target's {target_num_layers}", origin)
     if cfg.is_dflash2 and cfg.vocab_size != target_vocab_size:
         raise CheckpointError(f"the DFlash2 draft's selector covers {cfg.vocab_size} tokens, the target's vocabulary {target_vocab_size}", origin)
-    with torch.device("meta"):
-        draft = DFlashDraft(cfg)
-    draft = draft.to_empty(device=device).to(dtype).eval()
+    draft = empty_draft(cfg, device=device, dtype=dtype)
     fill_parameters(draft, source.get, prefix=PREFIX, origin=origin)
     return draft
+
+
+def empty_draft(cfg: DFlashConfig, *, device: torch.device | str, dtype: torch.dtype) -> DFlashDraft:
+    """The draft network of cfg on `device` in `dtype`, in eval mode, its parameters allocated but not filled."""
+    with torch.device("meta"):
+        draft = DFlashDraft(cfg)
+    return draft.to_empty(device=device).to(dtype).eval()
