@@ -3,7 +3,8 @@
 The converter (converters/dflash.py) builds it from a released draft's config.json; the runtime
 (spec/dflash/draft.py) builds the draft from it. A DFlash2 draft (`architecture`
 "DFlash2DraftModel") adds a grouped dynamic convolution around each sublayer and a candidate
-selector (shared/reference/dflash.md §3): the four `conv_*` / `selector_*` fields, None for DFlash.
+selector (shared/reference/dflash.md §3): the `conv_*`, `selector_*` and `vocab_size` fields
+(DFLASH2_FIELDS), None for DFlash.
 """
 
 from __future__ import annotations
