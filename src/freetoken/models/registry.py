@@ -20,6 +20,7 @@ class FamilySpec:
 
 FAMILIES: dict[str, FamilySpec] = {
     "qwen3_5": FamilySpec("qwen3_5", "freetoken.models.qwen3_5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")),
+    "qwen4_exp": FamilySpec("qwen4_exp", "freetoken.models.qwen4_exp", ("qwen4_exp", "qwen4_exp_text")),
 }
 
 
