@@ -1,14 +1,18 @@
-"""Hugging Face safetensors checkpoints of the Qwen3.5 family -> unified checkpoint.
+"""Hugging Face safetensors checkpoints of any registered family -> unified checkpoint.
 
-The conversion is planned from the safetensors headers alone, before any weight is read: every
-source tensor must map to a canonical name (`models/qwen3_5/weights.py`) and every expected
-tensor must be present with its shape, so a bad checkpoint fails fast with the names at fault.
-Then tensors are streamed one at a time (per-expert tensors are buffered only until their layer
-is complete, then fused) into the atomic writer.
+The family comes from config.json's model_type through the registry (`models/registry.py`),
+which gives its normalized config class and its `WeightRules` (`models/weight_rules.py`); nothing
+here names a family. The conversion is planned from the safetensors headers alone, before any
+weight is read: every source tensor must map to a canonical name and every expected tensor must
+be present with its shape, so a bad checkpoint fails fast with the names at fault. Then tensors
+are streamed one at a time into the atomic writer: per-expert tensors are buffered only until
+their layer is complete, then fused; a tensor stored as shards (qwen4_exp's n-gram tables) is
+handed over as a `ChunkedTensor`, one shard read at a time.
 
-What is undone here, and recorded in the provenance: the `model.language_model.` prefix, per-expert
-MoE tensors (fused), an `lm_head.weight` that duplicates tied embeddings, a dropped vision tower
-(`text_only`).
+What is undone here, and recorded in the provenance: wrapper prefixes (`model.language_model.`),
+per-expert MoE tensors (fused), sharded tensors (joined), constants the config implies (checked
+equal to the recomputed values, then dropped), an `lm_head.weight` that duplicates tied
+embeddings, a dropped vision tower (`text_only`).
 
 Layout: `read_hf` (plan + tensor stream, reusable by other converters), `convert_hf`.
 """
@@ -20,29 +24,33 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 
 import freetoken
-from freetoken.checkpoint import Manifest, Provenance, hash_file, read_safetensors_header, write_checkpoint
+from freetoken.checkpoint import ChunkedTensor, Manifest, Provenance, hash_file, read_safetensors_header, write_checkpoint
+from freetoken.checkpoint.writer import SAFETENSORS_DTYPES
 from freetoken.converters.detect import resolve_source
 from freetoken.errors import CheckpointError, OutputExistsError, UnsupportedModelError
-from freetoken.models.qwen3_5.config import Qwen35Config
-from freetoken.models.qwen3_5.weights import canonical_name, expected_tensors, fuse_group, per_expert_key
+from freetoken.models.registry import FAMILIES, family_config_class, family_for_model_type, hf_model_type, weight_rules
+from freetoken.models.weight_rules import WeightRules, fuse_group, per_expert_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 INDEX_FILE = "model.safetensors.index.json"
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+_SHARD_INDEX = re.compile(r"\.shard_\d+\.")
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class HFSource(NamedTuple):
-    config: Qwen35Config
-    tensors: Iterator[tuple[str, torch.Tensor]]  # (canonical name, tensor), streamed
+    config: Any  # the family's normalized config (Qwen35Config, Qwen4ExpConfig, ...)
+    tensors: Iterator[tuple[str, torch.Tensor | ChunkedTensor]]  # (canonical name, tensor), streamed
     tokenizer_files: dict[str, bytes]
     provenance: Provenance
     vision_config: dict | None  # the source's vision_config when model.visual.* is kept
+    family: str
 
 
 @dataclass
@@ -53,6 +61,8 @@ class _Plan:
     experts: dict[str, dict[tuple[int, str], tuple[Path, str]]] = field(default_factory=dict)  # fused prefix -> (e, kind) -> src
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # canonical -> shape
     source_of: dict[str, str] = field(default_factory=dict)  # canonical -> source name (for messages)
+    shards: dict[str, dict[int, tuple[Path, str]]] = field(default_factory=dict)  # joined name -> index -> src
+    buffers: dict[str, tuple[Path, str]] = field(default_factory=dict)  # recomputable constant -> src
     dropped: set[str] = field(default_factory=set)  # source names not converted
     renamed: bool = False
 
@@ -68,13 +78,20 @@ def _load_json(path: Path) -> dict:
         raise CheckpointError(f"unreadable JSON ({e})", path) from None
 
 
-def _read_config(root: Path) -> tuple[dict, Qwen35Config]:
+def _read_config(root: Path) -> tuple[dict, Any, str]:
+    """(raw config.json, the family's normalized config, family name)."""
     path = root / "config.json"
     if not path.is_file():
         raise CheckpointError("not a Hugging Face checkpoint (no config.json)", root)
     raw = _load_json(path)
+    model_type = hf_model_type(raw)
     try:
-        cfg = Qwen35Config.from_hf(raw)
+        family = family_for_model_type(model_type).name
+    except UnsupportedModelError:
+        supported = ", ".join(t for spec in FAMILIES.values() for t in spec.model_types if not t.endswith("_text"))
+        raise UnsupportedModelError(f"unsupported model_type {model_type!r} (supported: {supported})", path) from None
+    try:
+        cfg = family_config_class(family).from_hf(raw)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(str(e), path) from None
     except (KeyError, TypeError, ValueError) as e:
@@ -83,7 +100,7 @@ def _read_config(root: Path) -> tuple[dict, Qwen35Config]:
         eos = _load_json(root / "generation_config.json").get("eos_token_id")
         if eos is not None:
             cfg = replace(cfg, eos_token_ids=tuple(int(i) for i in (eos if isinstance(eos, list) else [eos])))
-    return raw, cfg
+    return raw, cfg, family
 
 
 def _shard_files(root: Path) -> tuple[list[Path], Path | None]:
@@ -103,19 +120,27 @@ def _shard_files(root: Path) -> tuple[list[Path], Path | None]:
     return files, None
 
 
-def _plan(files: list[Path], headers: dict[Path, dict], *, text_only: bool) -> _Plan:
+def _plan(files: list[Path], headers: dict[Path, dict], rules: WeightRules, buffers: set[str], *, text_only: bool) -> _Plan:
     plan = _Plan()
     for file in files:
         for name, info in headers[file].items():
             if name.startswith("model.visual.") and text_only:
                 plan.dropped.add(name)
                 continue
-            canon = canonical_name(name)
+            canon = rules.canonical_name(name)
             plan.renamed |= canon != name
             key = per_expert_key(canon)
             if key is not None:
                 plan.experts.setdefault(key[0], {})[(key[1], key[2])] = (file, name)
                 plan.shapes[canon] = tuple(info["shape"])
+                continue
+            shard = rules.shard_key(canon)
+            if shard is not None:
+                plan.shards.setdefault(shard[0], {})[shard[1]] = (file, name)
+                plan.shapes[canon] = tuple(info["shape"])
+                continue
+            if canon in buffers:
+                plan.buffers[canon] = (file, name)
                 continue
             if canon in plan.direct:
                 raise CheckpointError(f"tensor {canon!r} appears twice (as {plan.source_of[canon]!r} and {name!r})", file)
@@ -141,10 +166,41 @@ def _fused_shapes(plan: _Plan, num_experts: int) -> None:
         plan.source_of[f"{prefix}.gate_up_proj"] = plan.source_of[f"{prefix}.down_proj"] = f"{prefix}.*"
 
 
-def _validate(plan: _Plan, cfg: Qwen35Config, root: Path) -> None:
+def _joined_shapes(plan: _Plan, headers: dict[Path, dict], rules: WeightRules, raw: dict, root: Path) -> None:
+    """Check each sharded tensor's shards (all indices present, one row width and dtype) and add the joined shape."""
+    for joined, group in plan.shards.items():
+        some_name = next(iter(group.values()))[1]
+        declared = rules.declared_shards(raw, joined)
+        want = set(range(declared if declared is not None else max(group) + 1))
+        missing, extra = sorted(want - set(group)), sorted(set(group) - want)
+        if missing or extra:
+            names = [_SHARD_INDEX.sub(f".shard_{k}.", some_name) for k in (missing or extra)]
+            of = f" of {declared} (config.json)" if declared is not None else ""
+            raise CheckpointError(f"{'missing' if missing else 'unexpected'} shard(s){of}: {_first(names, 3)}", root)
+        infos = [(file, name, headers[file][name]) for file, name in (group[k] for k in sorted(group))]
+        first = infos[0][2]
+        for file, name, info in infos:
+            if info["shape"][1:] != first["shape"][1:] or info["dtype"] != first["dtype"] or len(info["shape"]) < 1:
+                raise CheckpointError(f"shard {name} has {info['dtype']} {info['shape']}, the first shard {first['dtype']} {first['shape']}", file)
+        plan.shapes[joined] = (sum(info["shape"][0] for _, _, info in infos), *first["shape"][1:])
+        plan.source_of[joined] = _SHARD_INDEX.sub(".shard_*.", some_name)
+
+
+def _check_buffers(plan: _Plan, rules: WeightRules, cfg: Any) -> None:
+    """Stored constants must equal the values recomputed from the config (they are then dropped)."""
+    expected = rules.derived_buffers(cfg)
+    for canon, (file, name) in plan.buffers.items():
+        with safe_open(file, "pt") as f:
+            stored = f.get_tensor(name).tolist()
+        if stored != expected[canon]:
+            raise CheckpointError(f"tensor {name} is {stored}, but config.json implies {expected[canon]}", file)
+        plan.dropped.add(name)
+
+
+def _validate(plan: _Plan, cfg: Any, rules: WeightRules, root: Path) -> None:
     mtp = cfg.mtp_num_hidden_layers > 0
-    expected = expected_tensors(cfg, with_mtp=mtp)
-    available = set(plan.direct) | {f"{p}.{s}" for p in plan.experts for s in ("gate_up_proj", "down_proj")}
+    expected = rules.expected_tensors(cfg, with_mtp=mtp)
+    available = set(plan.direct) | set(plan.shards) | {f"{p}.{s}" for p in plan.experts for s in ("gate_up_proj", "down_proj")}
     unknown = [plan.source_of[n] for n in available if n not in expected and not n.startswith("model.visual.")]
     if unknown:
         raise CheckpointError(f"unknown tensors (not part of a {cfg.model_type} checkpoint): {_first(unknown)}", root)
@@ -159,7 +215,7 @@ def _validate(plan: _Plan, cfg: Qwen35Config, root: Path) -> None:
             raise CheckpointError(f"tensor {plan.source_of[name]} has shape {list(plan.shapes[name])}, config.json implies {list(shape)}", root)
 
 
-def _tie(plan: _Plan, cfg: Qwen35Config, transforms: list[str]) -> Qwen35Config:
+def _tie(plan: _Plan, cfg: Any, transforms: list[str]) -> Any:
     if "lm_head.weight" not in plan.direct:
         if not cfg.tie_word_embeddings:
             transforms.append("tie_word_embeddings set: the checkpoint has no lm_head.weight")
@@ -179,9 +235,23 @@ def _tie(plan: _Plan, cfg: Qwen35Config, transforms: list[str]) -> Qwen35Config:
     return cfg
 
 
-def _stream(files: list[Path], headers: dict[Path, dict], plan: _Plan, num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _joined(joined: str, group: dict[int, tuple[Path, str]], plan: _Plan, headers: dict[Path, dict]) -> ChunkedTensor:
+    """A sharded tensor as its shards in index order, each read when the writer asks for it."""
+
+    def shards() -> Iterator[torch.Tensor]:
+        for k in sorted(group):
+            file, name = group[k]
+            with safe_open(file, "pt") as f:
+                yield f.get_tensor(name)
+
+    file, name = group[0]
+    return ChunkedTensor(plan.shapes[joined], _TORCH_DTYPES[headers[file][name]["dtype"]], shards)
+
+
+def _stream(files: list[Path], headers: dict[Path, dict], plan: _Plan, num_experts: int) -> Iterator[tuple[str, torch.Tensor | ChunkedTensor]]:
     by_source = {(f, n): canon for canon, (f, n) in plan.direct.items()}
     expert_of = {src: (prefix, key) for prefix, group in plan.experts.items() for key, src in group.items()}
+    joined_of = {src: joined for joined, group in plan.shards.items() for src in group.values()}
     pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     for file in files:
         order = sorted(headers[file], key=lambda n: headers[file][n]["data_offsets"][0])
@@ -189,6 +259,10 @@ def _stream(files: list[Path], headers: dict[Path, dict], plan: _Plan, num_exper
             for name in order:
                 if (file, name) in by_source:
                     yield by_source[(file, name)], f.get_tensor(name)
+                elif (joined := joined_of.get((file, name))) is not None:
+                    group = plan.shards[joined]
+                    if (file, name) == group[min(group)]:  # the joined tensor goes where its first shard is
+                        yield joined, _joined(joined, group, plan, headers)
                 elif (file, name) in expert_of:
                     prefix, key = expert_of[(file, name)]
                     group = pending.setdefault(prefix, {})
@@ -202,7 +276,8 @@ def read_hf(src: str | Path, *, text_only: bool = False) -> HFSource:
     root = resolve_source(src)
     if not root.is_dir():
         raise CheckpointError("not a Hugging Face checkpoint directory", root)
-    raw, cfg = _read_config(root)
+    raw, cfg, family = _read_config(root)
+    rules = weight_rules(family)
     files, index = _shard_files(root)
     headers = {f: read_safetensors_header(f) for f in files}
     if index is not None:
@@ -210,7 +285,7 @@ def read_hf(src: str | Path, *, text_only: bool = False) -> HFSource:
         found = {n for h in headers.values() for n in h}
         if listed != found:
             raise CheckpointError(f"weight_map does not match the shards (e.g. {_first(list(listed ^ found), 3)})", index)
-    plan = _plan(files, headers, text_only=text_only)
+    plan = _plan(files, headers, rules, set(rules.derived_buffers(cfg)), text_only=text_only)
     transforms: list[str] = []
     if plan.renamed:
         transforms.append("model.language_model.* renamed to model.*")
@@ -219,11 +294,17 @@ def read_hf(src: str | Path, *, text_only: bool = False) -> HFSource:
     if text_only and plan.dropped:
         transforms.append("model.visual.* dropped (text only)")
     _fused_shapes(plan, cfg.num_experts)
+    _joined_shapes(plan, headers, rules, raw, root)
+    for joined, group in plan.shards.items():
+        transforms.append(f"{joined} joined on dim 0 from {len(group)} shards {plan.source_of[joined]}")
+    _check_buffers(plan, rules, cfg)
+    if plan.buffers:
+        transforms.append(f"constants recomputed from the config, checked equal and dropped: {', '.join(sorted(plan.buffers))}")
     mtp_layers = {int(m[1]) for n in plan.shapes if (m := _MTP_LAYER.match(n))}
     has_mtp = any(n.startswith("mtp.") for n in plan.shapes)
     cfg = replace(cfg, mtp_num_hidden_layers=(max(mtp_layers) + 1 if mtp_layers else 1) if has_mtp else 0)
     cfg = _tie(plan, cfg, transforms)
-    _validate(plan, cfg, root)
+    _validate(plan, cfg, rules, root)
 
     extra = [root / "config.json", root / "generation_config.json", *([index] if index else []), *files]
     tokenizer_files = {name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()}
@@ -231,7 +312,7 @@ def read_hf(src: str | Path, *, text_only: bool = False) -> HFSource:
     provenance = Provenance("hf", freetoken.__version__, sources, tuple(transforms))
     keeps_visual = any(n.startswith("model.visual.") for n in plan.direct)
     vision_config = raw.get("vision_config") if keeps_visual else None
-    return HFSource(cfg, _stream(files, headers, plan, cfg.num_experts), tokenizer_files, provenance, vision_config)
+    return HFSource(cfg, _stream(files, headers, plan, cfg.num_experts), tokenizer_files, provenance, vision_config, family)
 
 
 def convert_hf(
@@ -265,7 +346,7 @@ def convert_hf(
         tensors, draft_heads, provenance = read_dflash(dflash, config).attach(tensors, draft_heads, provenance)
     return write_checkpoint(
         dst,
-        family="qwen3_5",
+        family=source.family,
         config=config,
         tensors=tensors,
         draft_heads=draft_heads,

@@ -2,12 +2,14 @@
 
 Tensors arrive one at a time from a converter's iterator and are packed into safetensors shards
 of at most `shard_size` bytes (a larger tensor gets a shard of its own); at most one shard is held
-in memory. Everything is written into a hidden temporary sibling of `dst` which is renamed into
+in memory. A tensor too large to hold at all (Qwen3.8-Flash-Next's ~95 GiB n-gram table) arrives
+as a `ChunkedTensor`: its pieces are read and written one at a time when its shard is written. Everything is written into a hidden temporary sibling of `dst` which is renamed into
 place only when complete, so a failed or interrupted conversion (any exception, Ctrl-C included)
 leaves nothing behind, and `--force` replaces an old checkpoint only once the new one is whole.
 
-Layout: `write_checkpoint` (the public entry), `_ShardPacker` (grouping into shards),
-`write_safetensors` (one file in the safetensors layout: u64 header length, JSON header, data).
+Layout: `write_checkpoint` (the public entry), `ChunkedTensor`, `_ShardPacker` (grouping into
+shards), `write_safetensors` (one file in the safetensors layout: u64 header length, JSON header,
+data).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,19 +35,62 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 }
 
 
+@dataclass(frozen=True)
+class ChunkedTensor:
+    """A tensor given as pieces that concatenate on dim 0, produced one at a time by `chunks()`
+    (called once, when the tensor is written); the writer checks every piece's dtype and shape."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: Callable[[], Iterator[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def to(self, dtype: torch.dtype) -> "ChunkedTensor":
+        """The same pieces, each cast to `dtype` as it is produced."""
+        chunks = self.chunks
+        return ChunkedTensor(self.shape, dtype, lambda: (c.to(dtype) for c in chunks()))
+
+
+def _nbytes(t: torch.Tensor | ChunkedTensor) -> int:
+    return t.nbytes if isinstance(t, ChunkedTensor) else t.numel() * t.element_size()
+
+
+def _write_chunks(f, name: str, t: ChunkedTensor) -> None:
+    rows = 0
+    for chunk in t.chunks():
+        if chunk.dtype != t.dtype or tuple(chunk.shape[1:]) != tuple(t.shape[1:]):
+            raise CheckpointError(f"tensor {name!r}: a piece of dtype {chunk.dtype} and shape {list(chunk.shape)} does not fit {t.dtype} {list(t.shape)}")
+        rows += chunk.shape[0]
+        if rows > t.shape[0]:
+            break
+        f.write(chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    if rows != t.shape[0]:
+        raise CheckpointError(f"tensor {name!r}: its pieces hold {rows} rows, expected {t.shape[0]}")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> "bfloat16" (the spelling used in manifests)."""
     return str(dtype).removeprefix("torch.")
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """Write `tensors` in the safetensors layout; tensors may share storage (each is copied out)."""
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor | ChunkedTensor]]) -> None:
+    """Write `tensors` in the safetensors layout; tensors may share storage (each is copied out),
+    a ChunkedTensor is written piece by piece."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors:
         if t.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -52,8 +98,11 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> No
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
-        for _, t in tensors:
-            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for name, t in tensors:
+            if isinstance(t, ChunkedTensor):
+                _write_chunks(f, name, t)
+            else:
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         f.flush()
         os.fsync(f.fileno())
 
@@ -63,12 +112,12 @@ class _ShardPacker:
 
     def __init__(self, root: Path, shard_size: int):
         self.root, self.shard_size = root, shard_size
-        self.pending: list[tuple[str, torch.Tensor]] = []
+        self.pending: list[tuple[str, torch.Tensor | ChunkedTensor]] = []
         self.pending_bytes = 0
         self.shards: list[list[str]] = []  # names per written shard, in order
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
+    def add(self, name: str, t: torch.Tensor | ChunkedTensor) -> None:
+        n = _nbytes(t)
         if self.pending and self.pending_bytes + n > self.shard_size:
             self.flush()
         self.pending.append((name, t))
@@ -115,7 +164,7 @@ def write_checkpoint(
     *,
     family: str,
     config: dict,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | ChunkedTensor]],
     draft_heads: dict[str, dict],
     tokenizer_files: dict[str, bytes],
     provenance: Provenance,
@@ -149,7 +198,7 @@ def write_checkpoint(
             entries[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
             packer.add(name, t)
             if progress is not None:
-                progress(t.numel() * t.element_size())
+                progress(_nbytes(t))
         for name, file in packer.finish().items():
             entries[name] = {"shard": file} | entries[name]
         for file, data in tokenizer_files.items():

@@ -7,20 +7,17 @@ checkpoint loads in transformers too. Two choices are fixed here for every sourc
 - the MTP head sits at the root under `mtp.*`; the vision tower under `model.visual.*` is kept
   as-is and not validated here.
 
-Layout: `canonical_name` (prefix aliases), `expected_tensors` (name -> shape),
-`per_expert_key` / `fuse_experts` (per-expert -> fused).
+Layout: `canonical_name` (prefix aliases), `expected_tensors` (name -> shape), `fuse_experts`
+(per-expert -> fused, with `per_expert_key` / `fuse_group` from models/weight_rules.py), `RULES`
+(what the converters read through the registry).
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from freetoken.errors import CheckpointError
 from freetoken.models.qwen3_5.config import Qwen35Config
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
+from freetoken.models.weight_rules import WeightRules, fuse_group, per_expert_key
 
 
 def canonical_name(hf_name: str) -> str:
@@ -109,24 +106,6 @@ def expected_tensors(cfg: Qwen35Config, *, with_mtp: bool) -> dict[str, tuple[in
     return out
 
 
-def per_expert_key(name: str) -> tuple[str, int, str] | None:
-    """`...mlp.experts.{e}.{kind}.weight` -> (`...mlp.experts`, e, kind); None for any other name."""
-    m = _PER_EXPERT.match(name)
-    return (m["prefix"], int(m["e"]), m["kind"]) if m else None
-
-
-def fuse_group(prefix: str, group: dict[tuple[int, str], torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """Fuse one layer's per-expert tensors, keyed (expert, kind), into `gate_up_proj` and `down_proj`."""
-    missing = [f"{prefix}.{e}.{k}.weight" for e in range(num_experts) for k in ("gate_proj", "up_proj", "down_proj") if (e, k) not in group]
-    extra = [f"{prefix}.{e}.{k}.weight" for (e, k) in group if e >= num_experts]
-    if missing or extra:
-        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(extra[:3])}"
-        raise CheckpointError(f"incomplete per-expert tensors for {prefix}: {what}")
-    gate_up = torch.stack([torch.cat([group[(e, "gate_proj")], group[(e, "up_proj")]], dim=0) for e in range(num_experts)])
-    down = torch.stack([group[(e, "down_proj")] for e in range(num_experts)])
-    return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}  # [E, 2I, H], [E, H, I]
-
-
 def fuse_experts(tensors: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[str, torch.Tensor]:
     """Replace every per-expert `experts.{e}.{gate,up,down}_proj.weight` by the fused pair; error if incomplete."""
     out: dict[str, torch.Tensor] = {}
@@ -140,3 +119,6 @@ def fuse_experts(tensors: dict[str, torch.Tensor], cfg: Qwen35Config) -> dict[st
     for prefix, group in groups.items():
         out |= fuse_group(prefix, group, cfg.num_experts)
     return out
+
+
+RULES = WeightRules(canonical_name=canonical_name, expected_tensors=expected_tensors)
