@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,17 @@ class SeqRows:
         return slice(self.row_start, self.row_start + self.num_rows)
 
 
+@dataclass(frozen=True)
+class StateSpec:
+    """A per-request state a model keeps besides the GDN conv window and recurrent state
+    (`extra_state_specs` of a model): one [num_layers, slots, *shape] pool, zeroed for a new request."""
+
+    name: str
+    num_layers: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None  # None: the model's dtype
+
+
 @dataclass
 class KVCache:
     """Paged keys and values of every full-attention layer (draft layers appended after the target's)."""
@@ -40,6 +52,7 @@ class KVCache:
     k: list[torch.Tensor]  # per attention layer: [num_slots, Hkv, D]
     v: list[torch.Tensor]
     block_size: int
+    extra: list[torch.Tensor] = field(default_factory=list)  # per-token rows a model declares (`extra_kv_shapes`): [num_slots, *shape], same slots
 
 
 @dataclass
@@ -48,6 +61,7 @@ class LinearState:
 
     conv: torch.Tensor  # [L_gdn, slots, K-1, C] raw pre-conv inputs, model dtype
     recurrent: torch.Tensor  # [L_gdn, slots, Hv, Dk, Dv] fp32
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # StateSpec.name -> [num_layers, slots, *shape]
 
 
 @dataclass
@@ -73,3 +87,4 @@ class ForwardContext:
     kv: KVCache
     linear_state: LinearState | None
     stash: dict[int, GDNStash] = field(default_factory=dict)  # linear layer ordinal -> stash (VERIFY only)
+    state_stash: dict[str, Any] = field(default_factory=dict)  # a model's own verify rows of its extra states, for its commit (VERIFY only)

@@ -173,7 +173,8 @@ class DecodeGraphs:
         from freetoken.kernels import use_triton
 
         probe = torch.empty(1, device=device)
-        return device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
+        captured = getattr(model, "supports_cuda_graphs", True)  # False: a model that runs its torch reference path
+        return captured and device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
 
     def run(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None = None) -> GraphStep:
         """Replay the step of these uniform row groups (captured on first use); read its outputs (hidden,

@@ -26,6 +26,7 @@ generated_tokens counts the tokens in the outputs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -96,9 +97,13 @@ class LLMEngine:
         num_linear, conv_shape, recurrent_shape = model.linear_state_shapes
         use_graphs = config.cuda_graphs and config.tensor_parallel == 1 and DecodeGraphs.supported(model, self.device)
         spare = int(use_graphs)  # the graphs' padding rows get a KV block and a state slot of their own
-        self.state_pool = LinearStatePool(num_linear, config.max_num_seqs + spare, conv_shape, recurrent_shape, config.torch_dtype, self.device) if num_linear else None
-        block_bytes = model.num_kv_layers * config.block_size * num_kv_heads * head_dim * 2 * config.torch_dtype.itemsize
-        self.kv_pool = KVPool(model.num_kv_layers, self._num_kv_blocks(block_bytes) + spare, config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device)
+        # optional per-request states and per-token KV rows a model declares beyond GDN state and K/V
+        extra_states, extra_kv = getattr(model, "extra_state_specs", ()), getattr(model, "extra_kv_shapes", ())
+        self.state_pool = LinearStatePool(num_linear, config.max_num_seqs + spare, conv_shape, recurrent_shape, config.torch_dtype, self.device,
+                                          extra_states) if num_linear or extra_states else None
+        token_elems = model.num_kv_layers * num_kv_heads * head_dim * 2 + sum(math.prod(s) for s in extra_kv)
+        block_bytes = config.block_size * token_elems * config.torch_dtype.itemsize
+        self.kv_pool = KVPool(model.num_kv_layers, self._num_kv_blocks(block_bytes) + spare, config.block_size, num_kv_heads, head_dim, config.torch_dtype, self.device, extra_kv)
         max_blocks_per_seq = -(-(config.max_model_len + k + 1) // config.block_size)
         self.spec: SpecMethod = spec_method_class(config.spec)(model, self.kv_pool, k, self.device, origin=origin,
                                                                cuda_graphs=config.cuda_graphs, max_blocks_per_seq=max_blocks_per_seq)

@@ -2,7 +2,9 @@
 
 Keys and values of every attention layer live in [num_blocks * block_size, Hkv, D] tensors; a
 request owns a list of blocks (its block table). Token p of a request sits in slot
-block_table[p // block_size] * block_size + p % block_size.
+block_table[p // block_size] * block_size + p % block_size. A model may keep more per-token rows in
+the same slots (`extra_shapes`, e.g. a sparse-attention indexer's keys): one [num_slots, *shape]
+tensor each.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from freetoken.forward_context import KVCache
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 extra_shapes: tuple[tuple[int, ...], ...] = ()):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        num_slots = num_blocks * block_size
+        shape = (num_slots, num_kv_heads, head_dim)
         self.cache = KVCache(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
             block_size=block_size,
+            extra=[torch.zeros((num_slots, *s), dtype=dtype, device=device) for s in extra_shapes],
         )
         self.free_blocks: deque[int] = deque(range(num_blocks))
 

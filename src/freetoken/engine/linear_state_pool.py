@@ -1,18 +1,21 @@
 """Slot pool for Gated DeltaNet state: per running request, each linear-attention layer's conv
-window (the last K-1 raw inputs, model dtype) and recurrent state (fp32)."""
+window (the last K-1 raw inputs, model dtype) and recurrent state (fp32), plus any other per-request
+state the model declares (`StateSpec`s, e.g. qwen4_exp's PLE windows), all indexed by the same slot."""
 
 from __future__ import annotations
 
 import torch
 
-from freetoken.forward_context import LinearState
+from freetoken.forward_context import LinearState, StateSpec
 
 
 class LinearStatePool:
-    def __init__(self, num_layers: int, num_slots: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, num_layers: int, num_slots: int, conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device | str,
+                 extra_specs: tuple[StateSpec, ...] = ()):
         self.state = LinearState(
             conv=torch.zeros((num_layers, num_slots, *conv_shape), dtype=dtype, device=device),
             recurrent=torch.zeros((num_layers, num_slots, *recurrent_shape), dtype=torch.float32, device=device),
+            extra={s.name: torch.zeros((s.num_layers, num_slots, *s.shape), dtype=s.dtype or dtype, device=device) for s in extra_specs},
         )
         self.free_slots = list(range(num_slots - 1, -1, -1))
 
@@ -25,6 +28,8 @@ class LinearStatePool:
         slot = self.free_slots.pop()
         self.state.conv[:, slot].zero_()
         self.state.recurrent[:, slot].zero_()
+        for pool in self.state.extra.values():
+            pool[:, slot].zero_()
         return slot
 
     def reserve_slot(self) -> int:

@@ -14,6 +14,7 @@ belong to. Speculative decoding's exactness rests on it (DESIGN.md, invariant 5)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import TYPE_CHECKING
@@ -38,6 +39,19 @@ FUSE_MOE_ENTRY = True  # SparseMoE enters through moe_add_norm_route (False: add
 # (False: torch). 35B-A3B decode step cut to 24 layers on an H100: 1.844 / 1.839 ms with them against
 # 1.855 / 1.848 (logs/variants-35b-l24-switches-e0ac495-h100.jsonl).
 TRITON_STEP_GLUE = True
+_torch_only_depth = 0  # > 0 inside `torch_only()`
+
+
+@contextlib.contextmanager
+def torch_only():
+    """Run every op inside on its torch reference, CUDA tensors included: for a model whose shapes
+    or variants the Triton kernels were never checked on (qwen4_exp). Not thread-safe; nests."""
+    global _torch_only_depth
+    _torch_only_depth += 1
+    try:
+        yield
+    finally:
+        _torch_only_depth -= 1
 
 
 @functools.cache
@@ -53,7 +67,7 @@ def use_triton(t: torch.Tensor) -> bool:
     """Whether an op on tensor `t` runs its Triton kernel."""
     if MODE not in ("auto", "torch", "triton"):
         raise FreetokenError(f"FREETOKEN_KERNELS={MODE!r}: expected auto, torch or triton")
-    if MODE == "torch":
+    if MODE == "torch" or _torch_only_depth:
         return False
     if MODE == "triton" and not _triton_importable():
         raise FreetokenError("FREETOKEN_KERNELS=triton: the triton package is not importable")
@@ -293,6 +307,7 @@ __all__ = [
     "causal_conv1d_batched",
     "embedding",
     "take_fed_back",
+    "torch_only",
     "gated_rms_norm",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",

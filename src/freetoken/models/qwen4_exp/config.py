@@ -73,6 +73,7 @@ class Qwen4ExpConfig:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     yarn_attention_factor: float | None = None  # None: transformers' default 0.1 ln(factor) + 1
+    yarn_truncate: bool = True  # round the correction range outwards (transformers' `truncate`)
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -252,6 +253,7 @@ class Qwen4ExpConfig:
             yarn_beta_fast=float(rope.get("beta_fast", 32.0)),
             yarn_beta_slow=float(rope.get("beta_slow", 1.0)),
             yarn_attention_factor=None if rope.get("attention_factor") is None else float(rope["attention_factor"]),
+            yarn_truncate=bool(rope.get("truncate", True)),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             hidden_act=hidden_act,
             tie_word_embeddings=tie,

@@ -1,0 +1,193 @@
+"""Qwen3.8-Flash-Next (`qwen4_exp`) text model over the paged runtime (architectures.md §4).
+
+The residual is S streams wide (hyper_connection.py): X0 = [e, e, .., e]; layer i adds its PLE term
+(ple.py, on the PLE layers), then mixes with Gated DeltaNet (sigmoid output gate, layers/) or QSA
+attention (qsa.py), then runs the sparse MoE block (layers/), each reading one mixed input from the
+streams and writing back into all of them. There are no pre-norms and no final norm: the final
+`hyper_connection_mixer` turns the streams into the lm_head input.
+
+The engine's `hidden` for this family is the wide stream after the last decoder layer, [N, S*H]:
+`forward` returns it (it is the MTP head's input h_t) and `compute_logits` applies the mixer, then
+lm_head. `export_layers` returns the wide streams after the given layers, [N, n * S*H] (a DFlash
+draft reads H-wide taps, so `draft_network("dflash")` refuses this family).
+
+Beyond paged K/V and GDN state the model declares (`extra_kv_shapes`, `extra_state_specs`): the QSA
+indexers' raw keys per token (one extra KV row tensor per attention layer, the MTP layer's
+included, same slots as its K/V) and the PLE windows per request (ple.py).
+
+Kernels: every op here runs its torch reference, on CUDA too (`kernels.torch_only`): the Triton
+kernels were not checked on this family's variants (sigmoid GDN gate, QSA, PLE), and CUDA graphs
+are off for it (`supports_cuda_graphs`). No tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken import kernels
+from freetoken.errors import FreetokenError, UnsupportedModelError
+from freetoken.forward_context import ForwardContext, StateSpec
+from freetoken.layers.basic import Embedding, Linear
+from freetoken.layers.linear_attn import GatedDeltaNet
+from freetoken.layers.moe import SparseMoE
+from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
+from freetoken.models.qwen4_exp.hyper_connection import GatedResidual, inject
+from freetoken.models.qwen4_exp.ple import PLELayer, ple_state_specs
+from freetoken.models.qwen4_exp.qsa import QSAAttention
+from freetoken.models.qwen4_exp.ops import torch_reference
+from freetoken.models.qwen4_exp.rope import Rotary
+
+
+def hyper_connection(cfg: Qwen4ExpConfig, inject_output: bool = True) -> GatedResidual:
+    return GatedResidual(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps, inject_output)
+
+
+class DecoderLayer(nn.Module):
+    """PLE (optional) -> attn hyper-connection -> GDN or QSA -> mlp hyper-connection -> MoE, on [N, S*H]."""
+
+    def __init__(self, cfg: Qwen4ExpConfig, layer_type: str, mixer_index: int, rotary: Rotary, ple_index: int | None = None):
+        super().__init__()
+        self.ple = PLELayer(cfg, ple_index) if ple_index is not None else None
+        self.attn_hyper_connection = hyper_connection(cfg)
+        self.mlp_hyper_connection = hyper_connection(cfg)
+        if layer_type == "full_attention":
+            self.self_attn = QSAAttention(cfg, mixer_index, rotary)
+        else:
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, mixer_index, gate_act=cfg.output_gate_type,
+            )
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, S*H] -> [N, S*H]
+        if self.ple is not None:
+            x = x + self.ple(x, ctx)
+        u, weights = self.attn_hyper_connection(x)
+        x = inject(x, self.mixer(u, ctx), weights)
+        u, weights = self.mlp_hyper_connection(x)
+        return inject(x, self.mlp(u), weights)
+
+    def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
+        """Fold the accepted verify rows into this layer's GDN and PLE state."""
+        if hasattr(self, "linear_attn"):
+            self.linear_attn.commit(ctx, replay)
+        if self.ple is not None:
+            self.ple.commit(ctx, replay)
+
+
+class Qwen4ExpModel(nn.Module):
+    def __init__(self, cfg: Qwen4ExpConfig, rotary: Rotary):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        attn_ids = {layer: i for i, layer in enumerate(cfg.full_attention_layers)}
+        gdn_ids = {layer: i for i, layer in enumerate(cfg.linear_attention_layers)}
+        ple_ids = {layer: i for i, layer in enumerate(cfg.ple_layers)}
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, kind, attn_ids.get(i, gdn_ids.get(i)), rotary, ple_ids.get(i)) for i, kind in enumerate(cfg.layer_types)
+        )
+        self.hyper_connection_mixer = hyper_connection(cfg, inject_output=False)
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    """The target: forward() -> the wide residual [N, S*H], compute_logits() -> fp32 logits."""
+
+    supports_cuda_graphs = False  # the torch reference path (module docstring)
+
+    def __init__(self, cfg: Qwen4ExpConfig, with_mtp: bool):
+        super().__init__()
+        from freetoken.models.qwen4_exp.mtp import Qwen4ExpMTP
+
+        if not cfg.norm_topk_prob:
+            raise UnsupportedModelError("qwen4_exp with norm_topk_prob = false is not supported (the MoE block renormalises its top-k)")
+        self.config = cfg
+        self.rotary = Rotary(cfg)
+        self.model = Qwen4ExpModel(cfg, self.rotary)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = Qwen4ExpMTP(cfg, self, kv_index=len(cfg.full_attention_layers), rotary=self.rotary) if with_mtp else None
+        self.attached_drafts: dict[str, nn.Module] = {}
+
+    # -- what the runtime needs to size its pools -------------------------------------------------
+    @property
+    def num_kv_layers(self) -> int:
+        """Attention layers holding paged KV, the MTP layer included."""
+        return len(self.config.full_attention_layers) + (len(self.mtp.layers) if self.mtp is not None else 0)
+
+    @property
+    def kv_head_shape(self) -> tuple[int, int]:
+        """(KV heads, head dim)."""
+        return self.config.num_key_value_heads, self.config.head_dim
+
+    @property
+    def extra_kv_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token rows beside K/V: each attention layer's indexer raw key [1, d_i] (none without QSA)."""
+        return ((1, self.config.indexer_head_dim),) * self.num_kv_layers if self.config.uses_qsa else ()
+
+    @property
+    def linear_state_shapes(self) -> tuple[int, tuple[int, int], tuple[int, int, int]]:
+        """(number of GDN layers, conv window [K-1, C], recurrent state [Hv, Dk, Dv])."""
+        cfg = self.config
+        return (
+            len(cfg.linear_attention_layers),
+            (cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
+            (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+        )
+
+    @property
+    def extra_state_specs(self) -> tuple[StateSpec, ...]:
+        """Per-request state beside the GDN state: the PLE windows."""
+        return ple_state_specs(self.config)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def draft_network(self, name: str):
+        """The MTP head for "mtp" (None without one); DFlash drafts are refused (they read H-wide layer taps)."""
+        if name == "dflash":
+            raise FreetokenError("--spec dflash does not run on qwen4_exp targets (their layer outputs are the S*H-wide residual)")
+        return self.mtp if name == "mtp" else self.attached_drafts.get(name)
+
+    # -- compute -------------------------------------------------------------------------------------
+    @torch_reference
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, H]
+        return self.model.embed_tokens(ids)
+
+    @torch_reference
+    def forward(self, ctx: ForwardContext, export_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run the rows of ctx through the trunk -> the wide residual after the last layer [N, S*H].
+
+        export_layers: also return the wide residual after each of these layers, concatenated in that
+        order [N, n * S*H]; reading them changes no computation."""
+        x = self.embed(ctx.input_ids).repeat(1, self.config.hc_count)
+        streams: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, ctx)
+            if i in export_layers:
+                streams[i] = x
+        if not export_layers:
+            return x
+        return x, torch.cat([streams[i] for i in export_layers], dim=-1)
+
+    @torch_reference
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [M, S*H] -> [M, V] fp32
+        """The mixer, then lm_head; upcast=False leaves the logits in the weights' dtype."""
+        return self.logits_of_mixed(self.model.hyper_connection_mixer(hidden), upcast)
+
+    def logits_of_mixed(self, mixed: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [M, H] -> [M, V]
+        """lm_head (the embedding when tied) of a mixer output; shared with the MTP head."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = kernels.linear(mixed, weight)
+        return logits.float() if upcast else logits
+
+    @torch_reference
+    def commit(self, ctx: ForwardContext, accepted_rows: "list[int] | kernels.SeqBatch") -> None:
+        """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN and PLE state."""
+        replay = accepted_rows if isinstance(accepted_rows, kernels.SeqBatch) else kernels.seq_batch(ctx).accepted(list(accepted_rows))
+        for layer in self.model.layers:
+            layer.commit(ctx, replay)

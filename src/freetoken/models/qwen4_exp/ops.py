@@ -1,0 +1,78 @@
+"""Small ops of the qwen4_exp blocks that kernels/ does not have (torch only: the family runs its
+torch reference path, model.py).
+
+Row invariance on CPU: torch evaluates sigmoid and silu with a vectorised approximation for whole
+vector lanes and a scalar one for the tail, so an element's bits depend on how many elements the
+call covers. The narrow activations here ([N, S] gates, [N, r] mixer rows, cos/sin of a few
+rotary channels) would then differ between a decode step (1 row) and a verify step (k+1 rows).
+`per_row` applies such an op to one row at a time on CPU, so a row's bits depend on that row alone;
+CUDA elementwise kernels treat every element alike and take the whole tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken import kernels
+from freetoken.layers.basic import _empty
+
+
+def torch_reference(method):
+    """Run the method with every kernel on its torch reference, on CUDA too (`kernels.torch_only`)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with kernels.torch_only():
+            return method(*args, **kwargs)
+
+    return run
+
+
+def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) computed row by row (dim 0) on CPU; in one call elsewhere. fn is elementwise."""
+    if x.is_cuda or x.shape[0] <= 1:
+        return fn(x)
+    return torch.cat([fn(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return per_row(torch.sigmoid, x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return per_row(F.silu, x)
+
+
+def grouped_zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm with one RMS per `group`-wide slice: x [..., G * group], weight [G * group]
+    -> norm(x) * (1 + w), computed in fp32 and cast back (transformers' `Qwen4ExpTextRMSNorm`)."""
+    shape = x.shape
+    xf = x.float().reshape(*shape[:-1], -1, group)
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).reshape(shape)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+class GroupedZCRMSNorm(nn.Module):
+    """grouped_zc_rms_norm with its weight [G * group] (the streams' norms of hyper-connections and PLE)."""
+
+    def __init__(self, dim: int, group: int, eps: float):
+        super().__init__()
+        self.weight = _empty(dim)
+        self.group, self.eps = group, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, G * group] -> [N, G * group]
+        return grouped_zc_rms_norm(x, self.weight, self.group, self.eps)
+
+
+def mean_over(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """The mean over `dim` as an explicit sum in index order: the same bits whatever the other sizes."""
+    slices = parts.unbind(dim)
+    acc = slices[0]
+    for s in slices[1:]:
+        acc = acc + s
+    return acc / len(slices)

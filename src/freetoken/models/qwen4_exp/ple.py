@@ -1,0 +1,212 @@
+"""PLE: hashed n-gram embeddings injected into the hyper-connection streams (architectures.md §4.3).
+
+For a token at position t, n-gram order n in 2..N and shift s < n, tok_s is the id at t - s if no
+EOS lies strictly between t - s and t (the n-gram does not reach back across a segment break), else
+EOS; positions before 0 read as EOS. x_n = XOR_s tok_s * mu_s, and head h of order n looks up row
+(x_n mod P_h) + offset_h of one shared table. The layer then gates a value per stream:
+
+    k = norm_key(key_proj e) [S, H]    v = value_proj e [H]    q = norm_query(X) [S, H]
+    g_s = <k_s, q_s> / sqrt(H);  g_s <- sign(g_s) sqrt(max(|g_s|, 1e-6))
+    gv  = [sigmoid(g_s) v]_s;    gvn = norm_conv(gv)
+    PLE(X) = gv + silu(causal depthwise conv of gvn: K taps, dilation N, no bias)
+
+The multipliers mu, the primes P_h and the offsets are recomputed from the config (transformers'
+`_build_layer_multipliers`, `_find_nth_prime_after`); they are plain Python numbers, not tensors
+of the checkpoint.
+
+State per request and PLE layer (the linear-state pool's extra states): the last N-1 raw ids
+("ple_ids") and the last (K-1)*N gvn rows ("ple_conv"). A window entry for a position before 0 is
+never read as stored: ids there read as EOS and gvn rows as zero. EXTEND advances the windows;
+VERIFY only reads them and stashes its gvn rows, and `commit` appends each sequence's accepted rows
+(their ids are the verify step's input ids), as plain decode would have.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from freetoken import kernels
+from freetoken.forward_context import ForwardContext, ForwardMode, StateSpec
+from freetoken.layers.basic import Embedding, Linear, _empty
+from freetoken.models.qwen4_exp import ops
+from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_LAYER_SEED_STRIDE = 10007
+
+
+def splitmix64(value: int) -> int:
+    value = (value + _GAMMA) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (value ^ (value >> 31)) & _MASK64
+
+
+def hash_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """The odd multipliers mu_0..mu_{N-1} of one PLE layer (tok * mu stays below 2^63)."""
+    half = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
+    base = seed + _LAYER_SEED_STRIDE * ple_index
+    return [2 * (splitmix64((base + _GAMMA * (s + 1)) & _MASK64) % half) + 1 for s in range(ngram_size)]
+
+
+def _is_prime(value: int) -> bool:
+    if value < 2 or value % 2 == 0:
+        return value == 2
+    return all(value % d for d in range(3, math.isqrt(value) + 1, 2))
+
+
+def head_table_sizes(cfg: Qwen4ExpConfig, ple_index: int) -> list[int]:
+    """P_h of the layer's heads: the (g+1)-th prime >= ngram_vocab_size_base, g the head's global index."""
+    sizes, prime = [], cfg.ngram_vocab_size_base - 1
+    heads = cfg.num_ngram_heads
+    for g in range(ple_index * heads + heads):
+        prime += 1
+        while not _is_prime(prime):
+            prime += 1
+        if g >= ple_index * heads:
+            sizes.append(prime)
+    return sizes
+
+
+def ple_state_specs(cfg: Qwen4ExpConfig) -> tuple[StateSpec, ...]:
+    """The pool entries of the PLE layers' windows (none without PLE)."""
+    if not cfg.ple_layers:
+        return ()
+    n = len(cfg.ple_layers)
+    return (
+        StateSpec("ple_ids", n, (cfg.ngram_size - 1,), torch.int64),
+        StateSpec("ple_conv", n, ((cfg.ple_conv_kernel_size - 1) * cfg.ngram_size, cfg.wide_size)),
+    )
+
+
+class NGramEmbedding(nn.Module):
+    """The hashed lookup: ids of each row's n-gram window -> the concatenated head rows [N, E_p]."""
+
+    def __init__(self, cfg: Qwen4ExpConfig, ple_index: int):
+        super().__init__()
+        self.ngram_size, self.heads_per_ngram = cfg.ngram_size, cfg.heads_per_ngram
+        self.multipliers = hash_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)
+        self.table_sizes = head_table_sizes(cfg, ple_index)
+        self.offsets = [sum(self.table_sizes[:h]) for h in range(len(self.table_sizes))]
+        divisor = cfg.make_ngram_vocab_size_divisible_by
+        rows = -(-sum(self.table_sizes) // divisor) * divisor
+        self.ngram_embedding = Embedding(rows, cfg.ple_embed_dim // cfg.num_ngram_heads)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, ngram_size] (column s: tok_s) -> [N, E_p]
+        device = tokens.device
+        sizes = torch.tensor(self.table_sizes, dtype=torch.int64, device=device)
+        offsets = torch.tensor(self.offsets, dtype=torch.int64, device=device)
+        products = [tokens[:, s] * self.multipliers[s] for s in range(self.ngram_size)]
+        rows, mixed = [], products[0]
+        for n in range(2, self.ngram_size + 1):
+            mixed = torch.bitwise_xor(mixed, products[n - 1])
+            heads = slice((n - 2) * self.heads_per_ngram, (n - 1) * self.heads_per_ngram)
+            rows.append(torch.remainder(mixed[:, None], sizes[heads]) + offsets[heads])
+        return self.ngram_embedding(torch.cat(rows, dim=1).flatten()).view(tokens.shape[0], -1)
+
+
+def ngram_tokens(window: torch.Tensor, eos: int, ngram_size: int) -> torch.Tensor:
+    """window [W + n] ids (EOS before position 0; the last n are the rows) -> [n, ngram_size]: tok_s of each row."""
+    m = window.shape[0]
+    n = m - (ngram_size - 1)
+    pos = torch.arange(m, device=window.device)
+    eos_at = torch.where(window == eos, pos, -1)
+    last_eos_before = torch.cat([eos_at.new_full((1,), -1), torch.cummax(eos_at, dim=0).values[:-1]])
+    in_segment = pos - last_eos_before - 1  # tokens of the row's segment before it
+    rows = pos[m - n :]
+    cols = []
+    for s in range(ngram_size):
+        source = (rows - s).clamp(min=0)
+        valid = (in_segment[rows] >= s) & (rows - s >= 0)
+        cols.append(torch.where(valid, window[source], torch.full_like(window[source], eos)))
+    return torch.stack(cols, dim=1)
+
+
+class PLELayer(nn.Module):
+    def __init__(self, cfg: Qwen4ExpConfig, ple_index: int):
+        super().__init__()
+        h, wide, e = cfg.hidden_size, cfg.wide_size, cfg.ple_embed_dim
+        self.hidden_size, self.streams = h, cfg.hc_count
+        self.ngram_size, self.eos = cfg.ngram_size, cfg.ple_eos_token_id
+        self.kernel_size = cfg.ple_conv_kernel_size
+        self.ple_index = ple_index  # this layer's row of the PLE state pools
+        self.ple_embedding = NGramEmbedding(cfg, ple_index)
+        self.key_proj = Linear(e, wide)
+        self.value_proj = Linear(e, h)
+        self.norm_key = ops.GroupedZCRMSNorm(wide, h, cfg.rms_norm_eps)
+        self.norm_query = ops.GroupedZCRMSNorm(wide, h, cfg.rms_norm_eps)
+        self.norm_conv = ops.GroupedZCRMSNorm(wide, h, cfg.rms_norm_eps)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = _empty(wide, 1, self.kernel_size)
+
+    def _windows(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's id windows [slots, N-1] and gvn windows [slots, (K-1)*N, S*H]."""
+        extra = ctx.linear_state.extra
+        return extra["ple_ids"][self.ple_index], extra["ple_conv"][self.ple_index]
+
+    def _tokens(self, ctx: ForwardContext, ids_pool: torch.Tensor, batch: kernels.SeqBatch) -> torch.Tensor:
+        """[N, ngram_size] tok_s of every row; the id windows advance in EXTEND mode."""
+        history = self.ngram_size - 1
+        out = []
+        for i in range(batch.num_seqs):
+            rows, cached, slot = batch.rows(i), batch.num_cached[i], batch.state_slots[i]
+            past = ids_pool[slot]
+            before_start = torch.arange(cached - history, cached, device=past.device) < 0
+            window = torch.cat([torch.where(before_start, self.eos, past), ctx.input_ids[rows]])
+            out.append(ngram_tokens(window, self.eos, self.ngram_size))
+            if ctx.mode is ForwardMode.EXTEND:
+                past.copy_(window[window.shape[0] - history :])
+        return torch.cat(out)
+
+    def _conv(self, gvn: torch.Tensor, conv_pool: torch.Tensor, batch: kernels.SeqBatch, write_state: bool) -> torch.Tensor:
+        """silu(dilated causal depthwise conv) of gvn [N, S*H] over each sequence's window -> [N, S*H]."""
+        dilation, span = self.ngram_size, conv_pool.shape[1]
+        weight = self.conv1d.weight[:, 0, :].float()  # [S*H, K]
+        out = torch.empty_like(gvn)
+        for i in range(batch.num_seqs):
+            rows, cached, slot = batch.rows(i), batch.num_cached[i], batch.state_slots[i]
+            n = batch.num_rows[i]
+            if n == 0:
+                continue
+            past = conv_pool[slot]
+            before_start = (torch.arange(cached - span, cached, device=gvn.device) < 0)[:, None]
+            full = torch.cat([past.masked_fill(before_start, 0), gvn[rows]])  # [span + n, S*H]
+            acc = full[0:n].float() * weight[:, 0]
+            for j in range(1, self.kernel_size):
+                acc = acc + full[j * dilation : j * dilation + n].float() * weight[:, j]
+            out[rows] = ops.silu(acc).to(gvn.dtype)
+            if write_state:
+                past.copy_(full[n:])
+        return out
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, S*H] -> [N, S*H]
+        """The PLE term added to the streams (VERIFY: the windows are read only, the gvn rows stashed)."""
+        n, s, h = x.shape[0], self.streams, self.hidden_size
+        batch = kernels.seq_batch(ctx)
+        ids_pool, conv_pool = self._windows(ctx)
+        e = self.ple_embedding(self._tokens(ctx, ids_pool, batch))  # [N, E_p]
+        k = self.norm_key(self.key_proj(e)).view(n, s, h)
+        v = self.value_proj(e)  # [N, H]
+        q = self.norm_query(x).view(n, s, h)
+        g = ((k.float() * q.float()).sum(-1) / math.sqrt(h)).to(x.dtype)  # [N, S]
+        g = g.abs().clamp_min(1e-6).sqrt() * g.sign()
+        gv = (ops.sigmoid(g)[:, :, None] * v[:, None, :]).reshape(n, s * h)
+        gvn = self.norm_conv(gv)
+        verify = ctx.mode is ForwardMode.VERIFY
+        if verify:
+            ctx.state_stash[f"ple.{self.ple_index}"] = gvn
+        return gv + self._conv(gvn, conv_pool, batch, write_state=not verify)
+
+    def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
+        """Append each sequence's accepted verify rows (replay: the verify layout cut to them) to its windows."""
+        gvn = ctx.state_stash[f"ple.{self.ple_index}"]
+        ids_pool, conv_pool = self._windows(ctx)
+        for i in range(replay.num_seqs):
+            rows, slot = replay.rows(i), replay.state_slots[i]
+            ids, conv = ids_pool[slot], conv_pool[slot]
+            ids.copy_(torch.cat([ids, ctx.input_ids[rows]])[-ids.shape[0] :])
+            conv.copy_(torch.cat([conv, gvn[rows]])[-conv.shape[0] :])

@@ -1,0 +1,69 @@
+"""Partial NeoX RoPE of qwen4_exp, default or YaRN (architectures.md §1.3).
+
+Text positions make the interleaved mRoPE one-dimensional. YaRN is transformers'
+`_compute_yarn_parameters` with dim = rotary_dim: the inverse frequencies blend interpolation
+(divided by `factor`) and extrapolation over the correction range of beta_fast/beta_slow, and cos
+and sin are multiplied by the attention factor (0.1 ln(factor) + 1 unless the config sets one).
+The attention and the QSA indexer share these cos/sin (the indexer's heads are at least rotary_dim
+wide and rotate their first rotary_dim channels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
+from freetoken.models.qwen4_exp.ops import per_row
+
+
+def yarn_inv_freq(cfg: Qwen4ExpConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2] fp32, cos/sin scale) of a YaRN config."""
+    dim, base, factor = cfg.rotary_dim, cfg.rope_theta, cfg.yarn_factor
+    original = cfg.yarn_original_max_position_embeddings or cfg.max_position_embeddings
+    scale = cfg.yarn_attention_factor
+    if scale is None:
+        scale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+    if cfg.yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(scale)
+
+
+class Rotary:
+    """cos/sin per position and their application; not a module (it holds no parameters). Its inverse
+    frequencies are built on the CPU (also while the model is built on the meta device) and moved per call."""
+
+    def __init__(self, cfg: Qwen4ExpConfig):
+        if cfg.rope_type == "yarn":
+            self.inv_freq, self.scale = yarn_inv_freq(cfg)
+        else:
+            exponents = torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.rotary_dim
+            self.inv_freq, self.scale = 1.0 / (cfg.rope_theta**exponents), 1.0
+        self.rotary_dim = cfg.rotary_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos, sin [N, rotary_dim] in dtype (scaled, then cast, as transformers does)."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        cos = per_row(lambda f: f.cos() * self.scale, freqs)
+        sin = per_row(lambda f: f.sin() * self.scale, freqs)
+        return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D] with its first rotary_dim channels rotated by cos, sin [N, rotary_dim]."""
+        d, half = self.rotary_dim, self.rotary_dim // 2
+        x_rot, x_pass = x[..., :d], x[..., d:]
+        rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+        return torch.cat([x_rot * cos[:, None, :] + rotated * sin[:, None, :], x_pass], dim=-1)
