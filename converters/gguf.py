@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) -> unified checkpoint, for `qwen35` and `qwen35moe` targets and their MTP heads.
+"""GGUF (llama.cpp) -> unified checkpoint, for `qwen35`, `qwen35moe` and `qwen4exp` targets and their MTP heads.
 
 Why: GGUF files carry llama.cpp's conventions, not Hugging Face's. This module reads a target
 (single file or `-0000i-of-0000N.gguf` split, with or without its nextn MTP block), optionally an
@@ -9,9 +9,12 @@ and streams the canonical tensors into `write_checkpoint`.
 Layout:
 - `GgufFile` / `open_gguf`: metadata and a tensor table over all shards (types gguf-py does not
   know, such as Q2_0, are read too).
-- `config_from_meta`: GGUF metadata -> `Qwen35Config`.
+- `ARCHITECTURES`: llama.cpp architecture -> `GgufArch` (freetoken family, name table, the
+  function that builds the family's config from the metadata: `qwen35_config` here,
+  `gguf_qwen4exp.qwen4exp_config`).
 - `_Plan`: which GGUF tensors make which canonical tensor, with which undo steps; built and
-  validated against `expected_tensors` before anything is written.
+  validated against the family's `expected_tensors` before anything is written. Tensors larger
+  than `STREAM_ABOVE_BYTES` that need no undo are streamed to the writer in row blocks.
 - `find_mtp_sidecar`, `check_pairing`: MTP head discovery and validation.
 - `convert_gguf`, `describe_gguf`: the public entry points.
 """
@@ -19,6 +22,7 @@ Layout:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import math
 import re
 from collections import Counter
@@ -30,12 +34,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from freetoken.converters.gguf_names import NEXTN_DEDICATED, block_index, resolve
+from freetoken.checkpoint.writer import ChunkedTensor
+from freetoken.converters.gguf_names import NEXTN_DEDICATED, QWEN4EXP, QWEN35, NameTable, block_index, resolve
 from freetoken.converters.gguf_quants import QUANT_TYPES, dequantize, type_name
 from freetoken.converters.gguf_tokenizer import eos_token_ids, tokenizer_files
 from freetoken.errors import CheckpointError, FreetokenError, UnsupportedModelError
 
-ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+
+@dataclass(frozen=True)
+class GgufArch:
+    family: str  # freetoken model family (models/registry.py)
+    names: NameTable
+    config: str  # "module:function" (GgufFile, tied=bool) -> the family's normalized config
+
+
+ARCHITECTURES: dict[str, GgufArch] = {
+    "qwen35": GgufArch("qwen3_5", QWEN35, "freetoken.converters.gguf:qwen35_config"),
+    "qwen35moe": GgufArch("qwen3_5", QWEN35, "freetoken.converters.gguf:qwen35_config"),
+    "qwen4exp": GgufArch("qwen4_exp", QWEN4EXP, "freetoken.converters.gguf_qwen4exp:qwen4exp_config"),
+}
+QWEN35_MODEL_TYPES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+STREAM_ABOVE_BYTES = 1 << 30  # larger undo-free tensors go to the writer in row blocks of about this size
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 # hyper-parameters a head must share with its target (suffixes of `{arch}.`)
@@ -93,6 +112,12 @@ class GgufFile:
     def has_mtp_block(self) -> bool:
         return self.nextn > 0 and any((block_index(n) or -1) >= self.n_layer for n in self.tensors)
 
+    @property
+    def mtp_only(self) -> bool:
+        """An MTP head without trunk blocks (an `mtp-*.gguf` sidecar)."""
+        blocks = (block_index(n) for n in self.tensors)
+        return self.nextn > 0 and not any(i is not None and i < self.n_layer for i in blocks)
+
     def raw(self, t: GgufTensor) -> torch.Tensor:
         """The packed bytes of `t` as a uint8 CPU tensor (a copy)."""
         mm = self._maps.get(t.path)
@@ -104,6 +129,13 @@ class GgufFile:
         """Dequantized float32 tensor in torch order."""
         t = self.tensors[name]
         return dequantize(self.raw(t).to(device), t.type_id, t.shape, name=f"{t.path.name}: {name}")
+
+    def load_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) (along dim 0) of a tensor, dequantized to float32, reading only their bytes."""
+        t = self.tensors[name]
+        row_bytes = t.nbytes // t.shape[0]
+        part = GgufTensor(name, t.type_id, (stop - start, *t.shape[1:]), t.path, t.offset + start * row_bytes, (stop - start) * row_bytes)
+        return dequantize(self.raw(part), t.type_id, part.shape, name=f"{t.path.name}: {name}")
 
 
 def _read_one(path: Path) -> tuple[dict[str, Any], list[GgufTensor]]:
@@ -185,12 +217,23 @@ def open_gguf(path: str | Path) -> GgufFile:
 # ---------------------------------------------------------------- config
 
 
+def gguf_arch(g: GgufFile) -> GgufArch:
+    """The `GgufArch` of a file's `general.architecture`; UnsupportedModelError for others."""
+    if g.arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {g.arch!r} (supported: {', '.join(ARCHITECTURES)})", g.path)
+    return ARCHITECTURES[g.arch]
+
+
 def config_from_meta(g: GgufFile, *, tied: bool):
+    """The family's normalized config from a GGUF's metadata (trunk depth excludes nextn)."""
+    module, _, function = gguf_arch(g).config.partition(":")
+    return getattr(importlib.import_module(module), function)(g, tied=tied)
+
+
+def qwen35_config(g: GgufFile, *, tied: bool):
     """Qwen35Config from the metadata of a qwen35 / qwen35moe GGUF (trunk depth excludes nextn)."""
     from freetoken.models.qwen3_5.config import Qwen35Config
 
-    if g.arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {g.arch!r} (supported: {', '.join(ARCHITECTURES)})", g.path)
     try:
         n_layer = g.n_layer
         recurrent = g.key("attention.recurrent_layers")
@@ -221,21 +264,21 @@ def config_from_meta(g: GgufFile, *, tied: bool):
             num_experts_per_tok=int(g.key("expert_used_count")) if moe else 0,
             moe_intermediate_size=int(g.key("expert_feed_forward_length")) if moe else 0,
             shared_expert_intermediate_size=int(g.key("expert_shared_feed_forward_length", 0)) if moe else 0,
-            rope_theta=_f32(g.key("rope.freq_base", 1e7)),
+            rope_theta=meta_float(g.key("rope.freq_base", 1e7)),
             partial_rotary_factor=int(g.key("rope.dimension_count", head_dim // 4)) / head_dim,
             mrope_section=tuple(sections[:3]),
-            rms_norm_eps=_f32(g.key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_norm_eps=meta_float(g.key("attention.layer_norm_rms_epsilon", 1e-6)),
             tie_word_embeddings=tied,
             mtp_num_hidden_layers=g.nextn,
             max_position_embeddings=int(g.key("context_length", 262144)),
             eos_token_ids=eos_token_ids(g.meta),
-            model_type=ARCHITECTURES[g.arch],
+            model_type=QWEN35_MODEL_TYPES[g.arch],
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"GGUF metadata incomplete for {g.arch} ({type(e).__name__}: {e})", g.path) from None
 
 
-def _f32(v: Any) -> float:
+def meta_float(v: Any) -> float:
     """A float32 metadata value as the shortest decimal that rounds to it (9.99999997e-07 -> 1e-06)."""
     return float(str(np.float32(v)))
 
@@ -298,11 +341,15 @@ def _norm(v: Any) -> Any:
 # ---------------------------------------------------------------- plan
 
 
+PARTS = {"gate_half": (1, 0), "up_half": (1, 1), "qk_q": (0, 0), "qk_k": (0, 1)}  # undo tag -> (join dim, position)
+
+
 @dataclass
 class _Item:
     name: str  # canonical
-    parts: list[tuple[GgufFile, str, tuple[str, ...]]]  # (file, gguf name, undo) - 2 parts for split experts
+    parts: list[tuple[GgufFile, str, tuple[str, ...]]]  # (file, gguf name, undo) - 2 parts for split experts / indexer
     shape: tuple[int, ...]
+    join_dim: int = 0  # dim on which several parts are joined
 
 
 @dataclass
@@ -316,13 +363,22 @@ def _out_shape(shape: tuple[int, ...], undo: tuple[str, ...]) -> tuple[int, ...]
         return (shape[0], 1, *shape[1:])
     if "row1" in undo:
         return (1, math.prod(shape))
+    if "flat" in undo:
+        return (math.prod(shape),)
     return shape
 
 
+def _part_of(undo: tuple[str, ...]) -> tuple[int, int] | None:
+    return next((PARTS[u] for u in undo if u in PARTS), None)
+
+
 def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
+    table = gguf_arch(target).names
+    ple_layers = getattr(cfg, "ple_layers", ())
     items: dict[str, _Item] = {}
     undo_count: Counter[str] = Counter()
     split_qkv = 0
+    split_cols: list[str] = []
     sources: list[tuple[GgufFile, str]] = []
     for name in target.tensors:
         i = block_index(name)
@@ -336,11 +392,17 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
             continue  # NVFP4 companions, applied when the weight is loaded
         if any(name.endswith(d) for d in NEXTN_DEDICATED):
             raise UnsupportedModelError(f"tensor {name}: dedicated MTP embedding/head tables are not supported", g.path)
-        r = resolve(name, g.n_layer)
+        r = resolve(name, g.n_layer, table, ple_layers[0] if len(ple_layers) == 1 else None)
         if r is None:
             raise CheckpointError(f"unexpected tensor {name} for architecture {g.arch}", g.path)
         canon, undo = r
         t = g.tensors[name]
+        if isinstance(canon, tuple):  # one GGUF tensor split evenly along its columns
+            w = t.shape[1] // len(canon)
+            for j, c in enumerate(canon):
+                items[c] = _Item(c, [(g, name, (*undo, f"cols:{j * w}:{(j + 1) * w}"))], (t.shape[0], w))
+            split_cols.append(name)
+            continue
         layer = block_index(name)
         full = layer is not None and (layer >= g.n_layer or cfg.layer_types[layer] == "full_attention")
         if canon.endswith("linear_attn.in_proj_qkv.weight") and full:  # fused q|k|v on an attention layer
@@ -351,12 +413,13 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
             split_qkv += 1
             continue
         undo_count.update(u.split(":")[0] for u in undo)
-        if "gate_half" in undo or "up_half" in undo:
-            item = items.setdefault(canon, _Item(canon, [], ()))
+        if (part := _part_of(undo)) is not None:
+            item = items.setdefault(canon, _Item(canon, [], (), join_dim=part[0]))
             item.parts.append((g, name, undo))
-            item.parts.sort(key=lambda p: "up_half" in p[2])  # gate first
-            e, i, h = t.shape
-            item.shape = (e, 2 * i if len(item.parts) == 2 else i, h)
+            item.parts.sort(key=lambda p: _part_of(p[2])[1])  # gate before up, query rows before the key
+            shape = list(_out_shape(t.shape, undo))
+            shape[part[0]] = sum(_out_shape(p[0].tensors[p[1]].shape, p[2])[part[0]] for p in item.parts)
+            item.shape = tuple(shape)
             continue
         if canon in items:
             raise CheckpointError(f"two GGUF tensors map to {canon} (second: {name})", g.path)
@@ -384,6 +447,15 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
         transforms.append("shared_expert_gate reshaped to [1, H]")
     if split_qkv:
         transforms.append(f"fused attn_qkv split into q/k/v projections ({split_qkv} layers)")
+    if undo_count["qk_q"]:
+        transforms.append(f"QSA indexer.q_proj + indexer.k_proj joined into index_qk_proj ({undo_count['qk_q']} layers)")
+    flattened = sum(1 for g, n in sources if len(g.tensors[n].shape) > 1 and "flat" in (resolve(n, g.n_layer, table, None) or ("", ()))[1])
+    if flattened:
+        transforms.append(f"hyper-connection norms stored as [hc, hidden] flattened to [hc * hidden] ({flattened} tensors)")
+    for name in split_cols:
+        transforms.append(f"{name} split along its columns into mtp.fc_embedding | mtp.fc_hidden")
+    if any(n == "per_layer_token_embd.weight" for g, n in sources):
+        transforms.append("per_layer_token_embd renamed to the PLE layer's ple_embedding.ngram_embedding")
     if any(n.endswith(".scale") and not n.endswith(".input_scale") for g, n in sources):
         transforms.append("NVFP4 per-tensor .scale multiplied into the weights")
     mtp_src = head if head is not None else (target if target.has_mtp_block else None)
@@ -396,10 +468,10 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
     return _Plan(list(items.values()), transforms)
 
 
-def _validate(plan: _Plan, cfg, with_mtp: bool, path: Path) -> None:
-    from freetoken.models.qwen3_5.weights import expected_tensors
+def _validate(plan: _Plan, cfg, family: str, with_mtp: bool, path: Path) -> None:
+    from freetoken.models.registry import weight_rules
 
-    want = expected_tensors(cfg, with_mtp=with_mtp)
+    want = weight_rules(family).expected_tensors(cfg, with_mtp=with_mtp)
     have = {it.name: it.shape for it in plan.items}
     missing = sorted(set(want) - set(have))
     if missing:
@@ -440,8 +512,12 @@ def _undo(t: torch.Tensor, steps: tuple[str, ...], cfg) -> torch.Tensor:  # t: f
             t = t.unsqueeze(1)
         elif kind == "row1":
             t = t.reshape(1, -1)
+        elif kind == "flat":
+            t = t.reshape(-1)
         elif kind == "rows":
             t = t[int(args[0]) : int(args[1])]
+        elif kind == "cols":
+            t = t[:, int(args[0]) : int(args[1])]
     return t
 
 
@@ -453,10 +529,33 @@ def _load_scaled(g: GgufFile, name: str) -> torch.Tensor:
     return t
 
 
-def _stream(plan: _Plan, cfg, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _streamable(item: _Item) -> bool:
+    """One GGUF tensor, no undo step, no NVFP4 scale, too large to hold in one piece."""
+    if len(item.parts) != 1 or item.parts[0][2]:
+        return False
+    g, name, _ = item.parts[0]
+    t = g.tensors[name]
+    return len(t.shape) >= 2 and name[: -len(".weight")] + ".scale" not in g.tensors and t.nbytes > STREAM_ABOVE_BYTES
+
+
+def _row_blocks(g: GgufFile, name: str, dtype: torch.dtype) -> ChunkedTensor:
+    t = g.tensors[name]
+    step = max(1, STREAM_ABOVE_BYTES // max(1, t.nbytes // t.shape[0]))
+
+    def chunks() -> Iterator[torch.Tensor]:
+        for start in range(0, t.shape[0], step):
+            yield g.load_rows(name, start, min(start + step, t.shape[0])).to(dtype)
+
+    return ChunkedTensor(t.shape, dtype, chunks)
+
+
+def _stream(plan: _Plan, cfg, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | ChunkedTensor]]:
     for item in plan.items:
+        if _streamable(item):
+            yield item.name, _row_blocks(item.parts[0][0], item.parts[0][1], dtype)
+            continue
         parts = [_undo(_load_scaled(g, n), undo, cfg) for g, n, undo in item.parts]
-        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=item.join_dim)
         yield item.name, t.to(dtype).contiguous()
 
 
@@ -474,7 +573,7 @@ def convert_gguf(
     dflash: str | Path | None = None,
     progress: Callable[[int], None] | None = None,
 ):
-    """Convert a qwen35 / qwen35moe GGUF (+ optional MTP head) into a unified checkpoint at `dst`.
+    """Convert a qwen35 / qwen35moe / qwen4exp GGUF (+ optional MTP head) into a unified checkpoint at `dst`.
 
     The MTP head comes from `mtp` if given (it replaces an embedded nextn block), else from the
     target's own nextn block, else from the one `mtp-*.gguf` beside the target (recorded in
@@ -494,9 +593,8 @@ def convert_gguf(
 
         raise OutputExistsError("output exists (use --force to replace it)", dst)
     target = open_gguf(src)
-    if target.arch not in ARCHITECTURES:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {target.arch!r} (supported: {', '.join(ARCHITECTURES)})", src)
-    if target.nextn > 0 and "blk.0.attn_norm.weight" not in target.tensors:
+    family = gguf_arch(target).family
+    if target.mtp_only:
         raise FreetokenError("this is an MTP-only head, not a target; pass it as --mtp next to its target GGUF", src)
     head_path = Path(mtp) if mtp is not None else (None if target.has_mtp_block else find_mtp_sidecar(src))
     head = open_gguf(head_path) if head_path is not None else None
@@ -513,7 +611,7 @@ def convert_gguf(
         plan.transforms.append("no output.weight: lm_head tied to token_embd")
     if head is not None and is_shared_head(head):
         plan.transforms.append(f"MTP head {head.path.name} shares token_embd/output with the target")
-    _validate(plan, cfg, with_mtp, src)
+    _validate(plan, cfg, family, with_mtp, src)
     tok_files = tokenizer_files(target.meta, src)
 
     sources = tuple(hash_file(p) for p in target.paths + (head.paths if head is not None else []))
@@ -527,7 +625,7 @@ def convert_gguf(
         tensors, draft_heads, provenance = read_dflash(dflash, config).attach(tensors, draft_heads, provenance)
     return write_checkpoint(
         dst,
-        family="qwen3_5",
+        family=family,
         config=config,
         tensors=tensors,
         draft_heads=draft_heads,
@@ -551,10 +649,26 @@ def describe_gguf(path: str | Path) -> dict[str, Any]:
         "nextn_predict_layers": g.nextn,
         "trunk_layers": g.n_layer,
         "has_mtp_block": g.has_mtp_block,
-        "mtp_only": g.nextn > 0 and "blk.0.attn_norm.weight" not in g.tensors,
+        "mtp_only": g.mtp_only,
         "quant_types": dict(sorted(Counter(type_name(t.type_id) for t in g.tensors.values()).items())),
         "tensor_count": len(g.tensors),
         "vocab_size": len(g.meta.get("tokenizer.ggml.tokens") or []),
         "shards": len(g.paths),
         "file_size": sum(p.stat().st_size for p in g.paths),
-    }
+    } | {label: show(g) for label, key, show in GGUF_DETAILS if g.key(key) is not None}
+
+
+def _table_shape(g: GgufFile) -> str:
+    t = g.tensors.get("per_layer_token_embd.weight")
+    return "x".join(map(str, t.shape)) if t is not None else "-"
+
+
+# architecture-specific rows of describe_gguf: (label, metadata key that must be present, formatter)
+GGUF_DETAILS: tuple[tuple[str, str, Callable[[GgufFile], str]], ...] = (
+    ("hyper_connections", "hyper_connection.count", lambda g: f"{g.key('hyper_connection.count')} streams, rank {g.key('hyper_connection.low_rank')}"),
+    ("ple_layers", "ple.layers", lambda g: f"{list(g.key('ple.layers'))} (0-indexed), n-gram orders 2..{g.key('ple.ngram_size')} x {g.key('ple.heads_per_ngram')} heads"),
+    ("ngram_table", "ple.layers", lambda g: f"{_table_shape(g)} (rows x head width), head sizes {list(g.key('ple.head_vocab_sizes', []))}"),
+    ("qsa", "attention.indexer.head_count", lambda g: (
+        f"budget {g.key('attention.indexer.top_k')}, compress ratios {list(g.key('attention.compress_ratios', []))}, "
+        f"indexer {g.key('attention.indexer.head_count')} heads x {g.key('attention.indexer.key_length')}")),
+)
