@@ -23,6 +23,7 @@ import torch
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.engine import LLMEngine
 from freetoken.engine.runner import RowGroup, build_context
+from freetoken.errors import FreetokenError
 from freetoken.forward_context import ForwardMode
 from tests.conftest import FIXTURES, fixture_refs, greedy, hf_model_from_dir, load_unified, num_sequences
 
@@ -135,3 +136,9 @@ def test_scheduled_generation_matches_transformers_generate(target, refs):
             want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False, pad_token_id=0)
         want = want[0, len(prompt) :].tolist()  # transformers stops at an EOS, we run on (ignore_eos)
         assert out[: len(want)] == want and len(want) >= 4
+
+
+def test_dflash_is_refused_in_one_line(target):
+    """DFlash drafts read H-wide layer taps; this family's layer outputs are S*H wide."""
+    with pytest.raises(FreetokenError, match="qwen4_exp"):
+        target.draft_network("dflash")
