@@ -29,8 +29,23 @@ def _shape(shapes: dict[str, list[int]], name: str) -> str:
     return "x".join(map(str, shapes[name])) if name in shapes else "-"
 
 
+def _ngram_tables(cfg, shapes: dict[str, list[int]]) -> str:
+    return ", ".join(f"layer {i}: {_shape(shapes, f'model.layers.{i}.ple.ple_embedding.ngram_embedding.weight')}" for i in cfg.ple_layers)
+
+
+# rows a family's config adds when it has the feature: (label, has it, value)
+FEATURE_ROWS = (
+    ("hyper-connections", lambda c: hasattr(c, "hc_count"), lambda c, s: f"{c.hc_count} streams x {c.hidden_size}, mixer rank {c.hc_lowrank}"),
+    ("PLE layers", lambda c: bool(getattr(c, "ple_layers", ())),
+     lambda c, s: f"{list(c.ple_layers)} (0-indexed), n-gram orders 2..{c.ngram_size} x {c.heads_per_ngram} heads, width {c.ple_embed_dim}"),
+    ("n-gram tables", lambda c: bool(getattr(c, "ple_layers", ())), _ngram_tables),
+    ("QSA", lambda c: getattr(c, "uses_qsa", False),
+     lambda c, s: f"budget {c.indexer_budget} tokens, block (compress ratio) {c.indexer_compress_ratio}, indexer {c.indexer_n_heads} heads x {c.indexer_head_dim}"),
+)
+
+
 def _config_rows(cfg, shapes: dict[str, list[int]]) -> Rows:
-    """Rows shared by unified and HF checkpoints of the Qwen3.5 family (`cfg` is a Qwen35Config)."""
+    """Rows shared by unified and HF checkpoints of any family (`cfg` is the family's normalized config)."""
     n_lin, n_full = len(cfg.linear_attention_layers), len(cfg.full_attention_layers)
     if cfg.is_moe:
         mlp = f"MoE: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, expert {cfg.moe_intermediate_size}, shared {cfg.shared_expert_intermediate_size}"
@@ -49,7 +64,7 @@ def _config_rows(cfg, shapes: dict[str, list[int]]) -> Rows:
     ]
     if cfg.is_moe:
         rows.append(("experts.gate_up_proj", _shape(shapes, "model.layers.0.mlp.experts.gate_up_proj")))
-    return rows
+    return rows + [(label, show(cfg, shapes)) for label, has, show in FEATURE_ROWS if has(cfg)]
 
 
 def _head_summary(name: str, entry: dict) -> str:
@@ -85,15 +100,15 @@ def _dflash_rows(path: Path) -> Rows:
 
 def _unified_rows(path: Path) -> Rows:
     from freetoken.checkpoint import UnifiedCheckpoint
-    from freetoken.models.qwen3_5.config import Qwen35Config
+    from freetoken.models.registry import FAMILIES, family_config_class
 
     ck = UnifiedCheckpoint.open(path)
     m = ck.manifest
     shapes = {n: info["shape"] for n, info in m.tensors.items()}
     dtypes = Counter(info["dtype"] for info in m.tensors.values())
     rows: Rows = [("format", "freetoken unified checkpoint"), ("family", m.family)]
-    if m.family == "qwen3_5":
-        rows += _config_rows(Qwen35Config.from_dict(m.config), shapes)
+    if m.family in FAMILIES:
+        rows += _config_rows(family_config_class(m.family).from_dict(m.config), shapes)
     heads = "\n".join(_head_summary(k, v) for k, v in m.draft_heads.items()) or "none"
     rows += [
         ("draft heads", heads),
@@ -111,23 +126,28 @@ def _unified_rows(path: Path) -> Rows:
 def _hf_rows(path: Path) -> Rows:
     from freetoken.checkpoint import read_safetensors_header
     from freetoken.errors import CheckpointError, UnsupportedModelError
-    from freetoken.models.qwen3_5.config import Qwen35Config
-    from freetoken.models.qwen3_5.weights import canonical_name
+    from freetoken.models.registry import family_config_class, family_for_model_type, hf_model_type, weight_rules
 
     try:
         raw = json.loads((path / "config.json").read_text())
     except ValueError as e:
         raise CheckpointError(f"unreadable config.json ({e})", path / "config.json") from None
     try:
-        cfg = Qwen35Config.from_hf(raw)
+        family = family_for_model_type(hf_model_type(raw)).name
+        cfg = family_config_class(family).from_hf(raw)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(str(e), path / "config.json") from None
+    rules = weight_rules(family)
     files = sorted(path.glob("*.safetensors"))
     headers = {n: i for f in files for n, i in read_safetensors_header(f).items()}
-    shapes = {canonical_name(n): i["shape"] for n, i in headers.items()}
+    shapes = {rules.canonical_name(n): i["shape"] for n, i in headers.items()}
+    for name, shape in list(shapes.items()):  # a sharded tensor shows as its joined shape
+        if (shard := rules.shard_key(name)) is not None:
+            joined = shapes.setdefault(shard[0], [0, *shape[1:]])
+            joined[0] += shape[0]
     has_mtp = any(n.startswith("mtp.") for n in shapes)
     per_expert = any(".experts.0." in n for n in shapes)
-    rows: Rows = [("format", "Hugging Face safetensors"), ("architecture", ", ".join(raw.get("architectures") or ["?"]))]
+    rows: Rows = [("format", "Hugging Face safetensors"), ("architecture", ", ".join(raw.get("architectures") or ["?"])), ("family", family)]
     rows += _config_rows(cfg, shapes)
     rows += [
         ("draft heads", f"mtp (layers: {cfg.mtp_num_hidden_layers or 1})" if has_mtp else "none"),
