@@ -1,7 +1,8 @@
 """Hugging Face transformers as an oracle: build its model for a unified checkpoint.
 
 The unified checkpoint uses HF's own tensor names, so the trunk loads name for name into
-`Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`. Used by `parity --against hf` and by the tests.
+`Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` (or a family's own transformers class, from its
+`hf_text_config`: `Qwen4ExpForCausalLM`). Used by `parity --against hf` and by the tests.
 Needs `transformers`, which is not a runtime dependency.
 """
 
@@ -15,7 +16,14 @@ from freetoken.errors import FreetokenError
 from freetoken.models.loader import TensorSource
 
 
-def hf_text_config(config: dict[str, Any]):
+def hf_text_config(config: dict[str, Any], family: str = "qwen3_5"):
+    """transformers' text config for a normalized config: the family's own `hf_text_config` where it
+    has one (models/<family>/__init__.py), else the Qwen3.5 one below."""
+    from freetoken.models.registry import family_module
+
+    own = getattr(family_module(family), "hf_text_config", None)
+    if own is not None:
+        return own(config)
     try:
         from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
     except ImportError as exc:
@@ -42,17 +50,19 @@ def hf_text_config(config: dict[str, Any]):
 
 
 @torch.no_grad()
-def load_hf_model(source: TensorSource, config: dict[str, Any], names: list[str], dtype: torch.dtype = torch.float32):
-    """transformers' causal LM for the trunk tensors of `source` (eager attention and experts)."""
+def load_hf_model(source: TensorSource, config: dict[str, Any], names: list[str], dtype: torch.dtype = torch.float32, family: str = "qwen3_5"):
+    """transformers' causal LM for the trunk tensors of `source` (eager attention and experts); buffers
+    transformers computes itself (qwen4_exp's n-gram hash constants) are not read."""
     from transformers import AutoModelForCausalLM
 
-    hf_config = hf_text_config(config)
+    hf_config = hf_text_config(config, family)
     hf_config._attn_implementation = "eager"
     hf_config._experts_implementation = "eager"
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     state = {n: source.get(n) for n in names if n.startswith(("model.", "lm_head.")) and not n.startswith("model.visual.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and hf_config.tie_word_embeddings)]
+    buffers = dict(model.named_buffers())
+    missing = [m for m in missing if not (m == "lm_head.weight" and hf_config.tie_word_embeddings) and m not in buffers]
     if missing or unexpected:
         raise FreetokenError(f"transformers model does not match the checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if hf_config.tie_word_embeddings:

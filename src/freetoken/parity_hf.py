@@ -11,7 +11,7 @@ from freetoken.sampling import SamplingParams
 
 def compare_with_hf(llm, prompts: list[list[int]], max_new_tokens: int) -> ParityReport:
     ckpt = llm.checkpoint
-    hf_model = load_hf_model(ckpt, ckpt.config, ckpt.tensor_names(), dtype=llm.config.torch_dtype)
+    hf_model = load_hf_model(ckpt, ckpt.config, ckpt.tensor_names(), dtype=llm.config.torch_dtype, family=ckpt.family)
     eos = tuple(llm.model.eos_token_ids)
     expected = [hf_greedy(hf_model, p, max_new_tokens, eos) for p in prompts]
     reqs, stats = llm.generate_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens), replace(llm.config, spec="none", num_draft_tokens=0))

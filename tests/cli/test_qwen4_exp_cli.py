@@ -44,3 +44,13 @@ def test_parity_with_mtp_passes(fixture_unified, tmp_path):
     runs = json.loads(report.read_text())["runs"]
     assert set(runs) == {"k=1", "k=3"}
     assert all(r["passed"] is True and r["num_prompts"] == 2 and r["num_tokens"] == 24 for r in runs.values())
+
+
+def test_parity_against_transformers_passes(fixture_unified, tmp_path):
+    """`parity --against hf` builds transformers' Qwen4ExpForCausalLM from the unified checkpoint."""
+    report = tmp_path / "parity.json"
+    args = ["parity", str(fixture_unified("qwen4_exp")), "--against", "hf", "-n", "8", "-p", "def f(x):", "--json", str(report)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    run = json.loads(report.read_text())["runs"]["hf"]
+    assert run["passed"] is True and run["num_tokens"] == 8
