@@ -11,6 +11,7 @@ the GDN and PLE state; a drafter right for two tokens, then wrong, commits 3 of 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
@@ -88,3 +89,15 @@ def test_accepted_drafts_commit_gdn_and_ple_state(dtype, right, fixture_unified,
     for r in requests:
         assert r.accepted_lens[:-1] == [want] * (len(r.accepted_lens) - 1)  # the last block may pass max_new_tokens
     assert stats.acceptance_per_position[want - 1] == 1.0
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_preemption_recomputes_exactly(k, fixture_unified):
+    """A KV pool too small for the batch preempts (frees blocks, slot and PLE windows) and recomputes;
+    the outputs equal the uncontended run's."""
+    llm = _llm(str(fixture_unified(MODEL)), "float32")
+    expected = _baseline(str(fixture_unified(MODEL)), "float32")
+    config = llm.with_spec("mtp" if k else "none", k)
+    requests, stats = llm.generate_ids(_prompts(), greedy(NEW_TOKENS), replace(config, block_size=4, num_kv_blocks=14))
+    assert stats.num_preemptions > 0
+    assert [tuple(r.output_token_ids) for r in requests] == list(expected)
