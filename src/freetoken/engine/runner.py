@@ -54,7 +54,7 @@ def build_context(groups: list[RowGroup], mode: ForwardMode, kv_pool: KVPool, st
 
 
 def run_target(model: torch.nn.Module, ctx: ForwardContext, export_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's forward -> (post-norm hidden [N, H], the outputs of export_layers [N, n * H], None
+    """The target's forward -> (hidden [N, D], the outputs of export_layers [N, n * D], None
     when there are none: then the forward is the plain one)."""
     if not export_layers:
         return model(ctx), None

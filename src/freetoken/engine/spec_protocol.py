@@ -33,7 +33,7 @@ class CommittedRows:
 
     request: Request
     first_position: int  # position of the first row
-    hidden: torch.Tensor  # [m, H] target post-norm hidden of those rows
+    hidden: torch.Tensor  # [m, D] the target's hidden of those rows (post-norm [m, H]; qwen4_exp: the wide residual [m, S*H])
     next_token_ids: list[int]  # [m] the token that follows each row (x_{t+1}); the last row's may be unknown yet
     layer_hidden: torch.Tensor | None = None  # [m, n * H] outputs of the method's target_layers, concatenated; None if it reads none
 

@@ -29,12 +29,12 @@ from freetoken.spec.mtp.draft_graph import DraftGraphs
 
 @dataclass
 class MTPDraftState:
-    hidden: torch.Tensor  # [H] MTP output (after mtp.norm) of the last observed row
+    hidden: torch.Tensor  # [D] the MTP network's output of the last observed row (D: the family's hidden width, S*H for qwen4_exp)
     position: int  # that row's position
 
 
 class MTPMethod:
-    target_layers = ()  # reads the post-norm hidden alone
+    target_layers = ()  # reads the target's hidden alone
 
     def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
                  cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
