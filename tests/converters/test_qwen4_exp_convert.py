@@ -3,7 +3,10 @@
 Oracles: the fixture safetensors written by transformers (every unified tensor must equal its
 source, with the shards and experts joined here by torch.cat / torch.stack), the GGUF written by
 llama.cpp's converter (after undoing its conventions every tensor must equal the HF one exactly,
-since the file is the f32 upcast of the bf16 checkpoint), and the HF config.
+since the file is the f32 upcast of the bf16 checkpoint), and the HF config. llama.cpp's converter
+at the fixture's commit drops the qwen4exp MTP block, so the MTP test builds one from the HF
+`mtp.*` tensors in the layout its later export writes (shared/reference/gguf.md §4); that test
+checks the name table and the undo steps against that description, not against a llama.cpp file.
 """
 
 from __future__ import annotations
@@ -199,6 +202,9 @@ def _rewrite_gguf(dst: Path, *, meta: dict | None = None, add: dict[str, np.ndar
             continue
         value = (meta or {}).get(key, field.contents())
         writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None)
+    for key, value in (meta or {}).items():
+        if key not in reader.fields:  # new keys here are counts
+            writer.add_key_value(key, value, GGUFValueType.UINT32)
     qtype = GGMLQuantizationType[quantize] if quantize else None
     for t in reader.tensors:
         data = np.array(t.data)
@@ -257,3 +263,52 @@ def test_inspect_shows_qwen4_specifics(which, hf_unified):
     else:
         for text in ("qwen4_exp", "4 streams x 64, mixer rank 16", "[1] (0-indexed)", "layer 1: 4096x16", "budget 8 tokens, block (compress ratio) 4"):
             assert text in out, text
+
+
+# ---------------------------------------------------------------- MTP block
+
+
+def _mtp_block(n_layer: int) -> dict[str, np.ndarray]:
+    """The fixture's HF `mtp.*` tensors laid out as llama.cpp's qwen4exp MTP export describes them
+    (shared/reference/gguf.md §4): block `blk.{n_layer}`, norms stored as 1 + w, experts split into
+    gate / up, the indexer's q and k rows apart, `nextn.eh_proj` = [fc_embedding | fc_hidden]."""
+    hf = {k: v.float() for k, v in load_file(HF / "model.safetensors").items() if k.startswith("mtp.")}
+    b, m = f"blk.{n_layer}.", "mtp.layers.0."
+    out = {
+        "nextn.eh_proj.weight": torch.cat([hf["mtp.fc_embedding.weight"], hf["mtp.fc_hidden.weight"]], dim=1),
+        "nextn.enorm.weight": hf["mtp.pre_fc_norm_embedding.weight"] + 1,
+        "nextn.hnorm.weight": hf["mtp.pre_fc_norm_hidden.weight"] + 1,
+        "nextn.hc_head_norm.weight": hf["mtp.hyper_connection_mixer.hc_norm.weight"] + 1,
+        "nextn.hc_head_down.weight": hf["mtp.hyper_connection_mixer.input_mix_weight_down.weight"],
+        "nextn.hc_head_up.weight": hf["mtp.hyper_connection_mixer.input_mix_weight_up.weight"],
+        "attn_q.weight": hf[m + "self_attn.q_proj.weight"], "attn_k.weight": hf[m + "self_attn.k_proj.weight"],
+        "attn_v.weight": hf[m + "self_attn.v_proj.weight"], "attn_output.weight": hf[m + "self_attn.o_proj.weight"],
+        "attn_q_norm.weight": hf[m + "self_attn.q_norm.weight"] + 1, "attn_k_norm.weight": hf[m + "self_attn.k_norm.weight"] + 1,
+        "indexer.q_proj.weight": hf[m + "self_attn.indexer.index_qk_proj.weight"][:64],
+        "indexer.k_proj.weight": hf[m + "self_attn.indexer.index_qk_proj.weight"][64:],
+        "indexer.q_norm.weight": hf[m + "self_attn.indexer.q_layernorm.weight"] + 1,
+        "indexer.k_norm.weight": hf[m + "self_attn.indexer.k_layernorm.weight"] + 1,
+        "ffn_gate_inp.weight": hf[m + "mlp.gate.weight"],
+        "ffn_gate_exps.weight": hf[m + "mlp.experts.gate_up_proj"][:, :32], "ffn_up_exps.weight": hf[m + "mlp.experts.gate_up_proj"][:, 32:],
+        "ffn_down_exps.weight": hf[m + "mlp.experts.down_proj"],
+        "ffn_gate_shexp.weight": hf[m + "mlp.shared_expert.gate_proj.weight"], "ffn_up_shexp.weight": hf[m + "mlp.shared_expert.up_proj.weight"],
+        "ffn_down_shexp.weight": hf[m + "mlp.shared_expert.down_proj.weight"], "ffn_gate_inp_shexp.weight": hf[m + "mlp.shared_expert_gate.weight"],
+    }
+    for side, hc in (("attn", "attn_hyper_connection"), ("ffn", "mlp_hyper_connection")):
+        out |= {f"hc_{side}_norm.weight": hf[f"{m}{hc}.hc_norm.weight"] + 1, f"hc_{side}_down.weight": hf[f"{m}{hc}.input_mix_weight_down.weight"],
+                f"hc_{side}_up.weight": hf[f"{m}{hc}.input_mix_weight_up.weight"], f"hc_{side}_inject.weight": hf[f"{m}{hc}.block_inject_weight.weight"]}
+    return {b + k: v.contiguous().numpy() for k, v in out.items()}
+
+
+def test_gguf_mtp_block_becomes_mtp(hf_unified, tmp_path):
+    meta = {"qwen4exp.block_count": 9, "qwen4exp.nextn_predict_layers": 1,
+            "qwen4exp.attention.recurrent_layers": [True, True, True, False, True, True, True, False, False],
+            "qwen4exp.attention.compress_ratios": [0, 0, 0, 4, 0, 0, 0, 4, 0]}
+    src = _rewrite_gguf(tmp_path / "mtp.gguf", meta=meta, add=_mtp_block(8))
+    manifest = convert(src, tmp_path / "out")
+    assert manifest.draft_heads == {"mtp": {"num_layers": 1}}
+    assert "blk.8.nextn.eh_proj.weight split along its columns into mtp.fc_embedding | mtp.fc_hidden" in manifest.provenance.transforms
+    hf, gg = UnifiedCheckpoint.open(hf_unified), UnifiedCheckpoint.open(tmp_path / "out")
+    assert set(gg.tensor_names()) == {n for n in hf.tensor_names() if not n.startswith("model.visual.")}
+    for name in gg.tensor_names():
+        assert torch.equal(hf.get(name), gg.get(name)), name
