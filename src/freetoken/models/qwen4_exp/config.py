@@ -166,6 +166,8 @@ class Qwen4ExpConfig:
         rope_type = rope.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        if rope_type == "yarn" and (rope.get("mscale") or rope.get("mscale_all_dim")):
+            raise UnsupportedModelError("YaRN with mscale / mscale_all_dim is not supported (set attention_factor instead)")
         head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
         partial = float(rope.get("partial_rotary_factor", 0.25))
 
