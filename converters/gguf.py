@@ -54,7 +54,7 @@ ARCHITECTURES: dict[str, GgufArch] = {
     "qwen4exp": GgufArch("qwen4_exp", QWEN4EXP, "freetoken.converters.gguf_qwen4exp:qwen4exp_config"),
 }
 QWEN35_MODEL_TYPES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
-STREAM_ABOVE_BYTES = 1 << 30  # larger undo-free tensors go to the writer in row blocks of about this size
+STREAM_ABOVE_BYTES = 1 << 30  # undo-free tensors larger than this in float32 go to the writer in row blocks of about this size
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 # hyper-parameters a head must share with its target (suffixes of `{arch}.`)
@@ -530,17 +530,18 @@ def _load_scaled(g: GgufFile, name: str) -> torch.Tensor:
 
 
 def _streamable(item: _Item) -> bool:
-    """One GGUF tensor, no undo step, no NVFP4 scale, too large to hold in one piece."""
+    """One GGUF tensor, no undo step, no NVFP4 scale, too large to hold dequantized in one piece."""
     if len(item.parts) != 1 or item.parts[0][2]:
         return False
     g, name, _ = item.parts[0]
     t = g.tensors[name]
-    return len(t.shape) >= 2 and name[: -len(".weight")] + ".scale" not in g.tensors and t.nbytes > STREAM_ABOVE_BYTES
+    return len(t.shape) >= 2 and name[: -len(".weight")] + ".scale" not in g.tensors and 4 * math.prod(t.shape) > STREAM_ABOVE_BYTES
 
 
 def _row_blocks(g: GgufFile, name: str, dtype: torch.dtype) -> ChunkedTensor:
+    """The tensor as blocks of rows whose dequantized float32 values take at most about STREAM_ABOVE_BYTES."""
     t = g.tensors[name]
-    step = max(1, STREAM_ABOVE_BYTES // max(1, t.nbytes // t.shape[0]))
+    step = max(1, STREAM_ABOVE_BYTES // (4 * math.prod(t.shape[1:])))
 
     def chunks() -> Iterator[torch.Tensor]:
         for start in range(0, t.shape[0], step):
