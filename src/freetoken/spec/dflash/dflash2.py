@@ -99,20 +99,33 @@ class CandidateSelector(nn.Module):
         that distribution (one-hot at the pick for the greedy walks of a mixed batch). Only the
         temperature applies here, as in the dflash package: q need not be the target's processed
         distribution, the verify is exact for any q."""
+        sampled = [i for i, t in enumerate(temperatures) if t > 0]
+        if not sampled:
+            return self.greedy_walk(hidden, logits, anchors), None
         unary, candidate_ids = self.candidates(logits)  # [n, k, top_k]
         projected = self.hidden_projection(hidden)  # [n, k, r]
-        sampled = [i for i, t in enumerate(temperatures) if t > 0]
         index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
         temperature = torch.tensor([temperatures[i] for i in sampled], dtype=torch.float32, device=logits.device)[:, None]
         chosen, drafts, probs = anchors, [], []
         for j in range(logits.shape[1]):
             scores = self.scores(unary[:, j], candidate_ids[:, j], chosen, projected[:, j])  # [n, top_k] fp32
             chosen = candidate_ids[:, j].gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
-            if sampled:  # all-greedy walks need no q: no [n, V] tensor a slot
-                q = torch.zeros_like(logits[:, j]).scatter_(1, chosen[:, None], 1.0)  # [n, V]
-                over_candidates = torch.softmax(scores[index] / temperature, dim=-1)
-                q[index] = torch.zeros_like(q[index]).scatter_(1, candidate_ids[index, j], over_candidates)
-                chosen[index] = sampling.draw(q[index], [generators[i] for i in sampled])
-                probs.append(q)
+            q = torch.zeros_like(logits[:, j]).scatter_(1, chosen[:, None], 1.0)  # [n, V]
+            over_candidates = torch.softmax(scores[index] / temperature, dim=-1)
+            q[index] = torch.zeros_like(q[index]).scatter_(1, candidate_ids[index, j], over_candidates)
+            chosen[index] = sampling.draw(q[index], [generators[i] for i in sampled])
+            probs.append(q)
             drafts.append(chosen)
-        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if sampled else None
+        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
+
+    def greedy_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """`walk` with every temperature 0: hidden [n, k, H], logits [n, k, V] fp32, anchors [n] -> drafts
+        [n, k]. Device work alone (no host sync), so a CUDA graph can hold it."""
+        unary, candidate_ids = self.candidates(logits)  # [n, k, top_k]
+        projected = self.hidden_projection(hidden)  # [n, k, r]
+        chosen, drafts = anchors, []
+        for j in range(logits.shape[1]):
+            scores = self.scores(unary[:, j], candidate_ids[:, j], chosen, projected[:, j])  # [n, top_k] fp32
+            chosen = candidate_ids[:, j].gather(1, scores.argmax(dim=-1, keepdim=True))[:, 0]
+            drafts.append(chosen)
+        return torch.stack(drafts, dim=1)

@@ -108,34 +108,47 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: BlockContext, inv_freq: torch.Tensor) -> torch.Tensor:
         """b blocks' rows h [b, B, H] (normed) at positions [b, B] over keys [this layer's context rows
-        (ctx), the block's own] -> [b, B, H]."""
+        (ctx), the block's own] -> [b, B, H]. Each KV head serves its group of query heads in one
+        fp32 product (the heads of a group stacked as rows), without copying K and V per head."""
         b, n = h.shape[:2]
         rows = h.reshape(b * n, -1)
         q = apply_rope(self.q_norm(self.q_proj(rows).view(b * n, self.num_heads, self.head_dim)), positions.reshape(-1), inv_freq)
         k, v = (t.view(self.num_kv_heads, b, n, self.head_dim).transpose(0, 1) for t in self.kv(rows, positions.reshape(-1), inv_freq))
-        group = self.num_heads // self.num_kv_heads
-        k = torch.cat([ctx.keys, k], dim=2).float().repeat_interleave(group, dim=1)  # [b, heads, n_ctx+B, hd]
-        v = torch.cat([ctx.values, v], dim=2).float().repeat_interleave(group, dim=1)
-        q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2).float()  # [b, heads, B, hd]
-        scores = q @ k.transpose(2, 3) * self.scale  # [b, heads, B, n_ctx+B]
-        keep = attention_mask(positions, torch.cat([ctx.positions, positions], dim=1), self.causal, self.window)
-        if ctx.valid is not None:
-            valid = torch.cat([ctx.valid, ctx.valid.new_ones(b, n)], dim=1)[:, None, :]  # [b, 1, n_ctx+B]
-            keep = valid if keep is None else keep & valid
-        if keep is not None:
-            scores = scores.masked_fill(~keep[:, None], float("-inf"))
-        out = (scores.softmax(dim=-1) @ v).to(h.dtype)  # [b, heads, B, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+        kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        k = torch.cat([ctx.keys, k], dim=2).float()  # [b, kv, n_ctx+B, hd]
+        v = torch.cat([ctx.values, v], dim=2).float()
+        q = q.view(b, n, kv, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(b, kv, group * n, self.head_dim).float()  # [b, kv, group*B, hd]
+        scores = q @ k.transpose(2, 3) * self.scale  # [b, kv, group*B, n_ctx+B]
+        hidden_keys = ctx.hidden_keys(self.causal, self.window)
+        if hidden_keys is not None:
+            scores = scores.view(b, kv, group, n, -1).masked_fill(hidden_keys, float("-inf")).view(b, kv, group * n, -1)
+        out = (scores.softmax(dim=-1) @ v).to(h.dtype)  # [b, kv, group*B, hd]
+        out = out.view(b, kv, group, n, self.head_dim).permute(0, 3, 1, 2, 4)  # [b, B, kv, group, hd]
+        return self.o_proj(out.reshape(b, n, self.num_heads * self.head_dim))
 
 
 @dataclass(frozen=True)
 class BlockContext:
-    """One draft layer's context rows for b blocks (padded to the longest context)."""
+    """One draft layer's context rows for b blocks, and which keys each block query must not see
+    (`masks`: one [b, 1, 1, B, n + B] bool per (causal, window) rule, True where hidden, made once
+    per forward and shared by the layers of that rule; None where a query sees every key)."""
 
     keys: torch.Tensor  # [b, kv, n, hd]
     values: torch.Tensor  # [b, kv, n, hd]
-    positions: torch.Tensor  # [b, n] int64
-    valid: torch.Tensor | None  # [b, n] bool, False on padding rows; None: no padding
+    masks: dict[tuple[bool, int | None], torch.Tensor | None]
+
+    def hidden_keys(self, causal: bool, window: int | None) -> torch.Tensor | None:  # -> [b, 1, 1, B, n + B] bool
+        """The keys hidden from each query under this layer's rule (and the padding rows)."""
+        return self.masks[(causal, window)]
+
+
+def hidden_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None, causal: bool, window: int | None) -> torch.Tensor | None:
+    """q_pos [b, B], k_pos [b, nk], k_valid [b, nk] bool (None: every key is a real row) -> [b, 1, 1, B, nk]
+    bool, True where a query must not see a key (outside its rule, or padding); None: it sees all."""
+    keep = attention_mask(q_pos, k_pos, causal, window)
+    if k_valid is not None:
+        keep = k_valid[:, None, :] if keep is None else keep & k_valid[:, None, :]
+    return None if keep is None else ~keep[:, None, None]
 
 
 class DecoderLayer(nn.Module):
@@ -203,7 +216,11 @@ class DFlashDraft(nn.Module):
             valid = None if ctx_valid is None else ctx_valid[None]
             return self(block_embeds[None], block_positions[None], ctx_k[:, None], ctx_v[:, None], ctx_positions[None], valid)[0]
         inv_freq = self._inv_freq(block_embeds.device)
+        key_positions = torch.cat([ctx_positions, block_positions], dim=1)  # [b, n + B]
+        key_valid = None if ctx_valid is None else torch.cat([ctx_valid, ctx_valid.new_ones(block_positions.shape)], dim=1)
+        rules = dict.fromkeys((layer.self_attn.causal, layer.self_attn.window) for layer in self.layers)  # in layer order
+        masks = {rule: hidden_keys(block_positions, key_positions, key_valid, *rule) for rule in rules}
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, block_positions, BlockContext(ctx_k[i], ctx_v[i], ctx_positions, ctx_valid), inv_freq)
+            x = layer(x, block_positions, BlockContext(ctx_k[i], ctx_v[i], masks), inv_freq)
         return self.norm(x)

@@ -13,58 +13,38 @@ always rows 0 .. start - 1, as in the dflash package's `dflash_generate` (refere
 The draft holds no state beyond those rows, so a preempted request rebuilds them from its new
 prefill.
 
-The draft runs eagerly in torch, the blocks of all requests in one forward (each request's context
-rows copied into one tensor padded to the longest, the padding masked) and the committed rows of
-all requests in one `context_kv`; on the GPU the target's verify steps are CUDA graphs that export
-the taps (engine/cuda_graph.py).
+The context rows of all requests live in one preallocated pool (spec/dflash/context_pool.py): a
+request takes a slot on its first observed row and gives it back on release; observe computes the
+committed rows of all requests in one `context_kv` and writes them in place. propose runs the blocks
+of all requests in one forward at a bucketed batch size and context length (spec/dflash/block_step.py),
+reading the pool rows of the batch's slots under a validity mask. For a batch of greedy requests
+without penalties that step (with the logits of the k slots and their argmax, or the DFlash2
+selector's greedy walk) is replayed as a CUDA graph where the target's decode graphs are
+(spec/dflash/draft_graph.py); other batches run the same step eagerly and sample outside it. On the
+GPU the target's verify steps are CUDA graphs that export the taps (engine/cuda_graph.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from freetoken import sampling
 from freetoken.engine.request import Request
 from freetoken.engine.spec_protocol import CommittedRows, Proposal
 from freetoken.errors import FreetokenError
-
-
-@dataclass
-class DFlashContext:
-    """A request's draft context: K and V of its committed rows 0 .. num_rows - 1 in every draft layer."""
-
-    keys: torch.Tensor  # [L, kv, capacity, hd]
-    values: torch.Tensor  # [L, kv, capacity, hd]
-    num_rows: int
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:  # [L, kv, m, hd] each
-        """Add m rows after the held ones, doubling the capacity when full."""
-        m = keys.shape[2]
-        if self.num_rows + m > self.keys.shape[2]:
-            capacity = max(2 * self.keys.shape[2], self.num_rows + m)
-            self.keys, self.values = (_grown(t, self.num_rows, capacity) for t in (self.keys, self.values))
-        self.keys[:, :, self.num_rows : self.num_rows + m] = keys
-        self.values[:, :, self.num_rows : self.num_rows + m] = values
-        self.num_rows += m
-
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:  # -> [L, kv, num_rows, hd] each
-        """The held rows' K and V."""
-        return self.keys[:, :, : self.num_rows], self.values[:, :, : self.num_rows]
-
-
-def _grown(rows: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
-    out = rows.new_empty(rows.shape[:2] + (capacity,) + rows.shape[3:])
-    out[:, :, :used] = rows[:, :, :used]
-    return out
+from freetoken.spec.dflash.block_step import BlockInputs, BlockStep, batch_bucket
+from freetoken.spec.dflash.context_pool import ContextPool
+from freetoken.spec.dflash.draft_graph import DraftGraphs
 
 
 class DFlashMethod:
     def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
                  cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
-        """kv_pool, cuda_graphs and max_blocks_per_seq are unused: the draft keeps its own context rows."""
+        """cuda_graphs: draft greedy batches through CUDA graphs where supported; max_blocks_per_seq *
+        kv_pool.block_size bounds a request's context rows (None: the whole KV pool's tokens)."""
         draft = model.draft_network("dflash")
         if draft is None:
             raise FreetokenError("the checkpoint has no DFlash draft (convert it with --dflash DRAFT_DIR); use --spec none", origin)
@@ -72,67 +52,72 @@ class DFlashMethod:
         if not 1 <= num_draft_tokens <= block_size - 1:
             raise FreetokenError(f"--spec dflash drafts 1 to {block_size - 1} tokens a step (its block holds {block_size}), not {num_draft_tokens}", origin)
         self.draft, self.device = draft, device
-        self.embed, self.compute_logits = model.embed, model.compute_logits
+        self.compute_logits = model.compute_logits
         self.num_draft_tokens = num_draft_tokens
         self.target_layers: tuple[int, ...] = tuple(draft.config.target_layer_ids)
-        self.mask_token_id = draft.config.mask_token_id
         cfg = draft.config
-        self._no_rows = torch.empty(cfg.num_hidden_layers, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=draft.norm.weight.dtype, device=device)
-
-    def _context(self, request: Request) -> DFlashContext:
-        """The request's draft context; an empty one (not stored) before its first committed row."""
-        return request.draft_state or DFlashContext(self._no_rows, self._no_rows, 0)
+        max_ctx = (max_blocks_per_seq or kv_pool.num_blocks) * kv_pool.block_size
+        self.pool = ContextPool(cfg.num_hidden_layers, cfg.num_key_value_heads, max_ctx, cfg.head_dim, draft.norm.weight.dtype, device)
+        self.step = BlockStep(draft, model.embed, model.compute_logits, self.pool, num_draft_tokens, device)
+        self.inputs: dict[int, BlockInputs] = {}  # batch size -> its staging buffer (eager and graphed steps)
+        self.graphs = DraftGraphs(self.step) if cuda_graphs and DraftGraphs.supported(model, device) else None
 
     def observe(self, rows: Sequence[CommittedRows]) -> None:
-        """Append each request's committed rows to its draft context (their K and V in every draft
-        layer), the rows of all requests computed at once."""
+        """Write each request's committed rows (their K and V in every draft layer) into its context
+        slot, taking a slot at its first row; the rows of all requests computed at once."""
         if not rows:
             return
-        states = [self._context(r.request) for r in rows]
-        for r, state in zip(rows, states):
-            if r.first_position != state.num_rows:
-                raise RuntimeError(f"request {r.request.request_id}: committed rows start at {r.first_position}, its DFlash context holds {state.num_rows}")
         counts = [r.layer_hidden.shape[0] for r in rows]
-        positions = torch.cat([torch.arange(r.first_position, r.first_position + n) for r, n in zip(rows, counts)]).to(self.device)
-        features = torch.cat([r.layer_hidden for r in rows])  # [sum(counts), n_taps * H]
-        keys, values = self.draft.context_kv(self.draft.context(features), positions)  # [L, kv, sum(counts), hd] each
-        for r, state, k, v in zip(rows, states, keys.split(counts, dim=2), values.split(counts, dim=2)):
-            state.append(k, v)
-            r.request.draft_state = state
+        index = np.empty((2, sum(counts)), dtype=np.int64)  # positions, slots
+        states, end = [], 0
+        for r, m in zip(rows, counts):
+            state = r.request.draft_state
+            held = 0 if state is None else state.num_rows
+            if r.first_position != held:
+                raise RuntimeError(f"request {r.request.request_id}: committed rows start at {r.first_position}, its DFlash context holds {held}")
+            if held + m > self.pool.max_ctx:
+                raise RuntimeError(f"request {r.request.request_id}: {held + m} DFlash context rows, past the {self.pool.max_ctx} a context holds")
+            if state is None:
+                state = r.request.draft_state = self.pool.acquire()
+            index[0, end : end + m] = np.arange(held, held + m)
+            index[1, end : end + m] = state.slot
+            states.append(state)
+            end += m
+        index = torch.from_numpy(index).to(self.device)
+        features = rows[0].layer_hidden if len(rows) == 1 else torch.cat([r.layer_hidden for r in rows])  # [sum(counts), n_taps * H]
+        keys, values = self.draft.context_kv(self.draft.context(features), index[0])  # [L, kv, sum(counts), hd] each
+        self.pool.write(index[1], index[0], keys, values)
+        for state, m in zip(states, counts):
+            state.num_rows += m
 
-    def _blocks_hidden(self, requests: Sequence[Request]) -> torch.Tensor:  # -> [b, B - 1, H]
-        """The draft's output for slots 1 .. B - 1 of each request's next block, all blocks in one
-        forward over the requests' context rows (padded to the longest)."""
-        block_size, b = self.draft.config.block_size, len(requests)
-        states = [self._context(r) for r in requests]
+    def _load(self, requests: Sequence[Request]) -> tuple[BlockInputs, int]:
+        """Upload the blocks' inputs at the batch's bucketed size -> (the staging buffer, the context bucket)."""
         starts = [r.num_cached_tokens for r in requests]
-        for r, state, start in zip(requests, states, starts):
-            if state.num_rows != start:
-                raise RuntimeError(f"request {r.request_id}: its DFlash context holds {state.num_rows} rows, its anchor is at {start}")
-        ids = torch.full((b, block_size), self.mask_token_id, dtype=torch.long)
-        ids[:, 0] = torch.tensor([r.last_token_id for r in requests])
-        positions = (torch.tensor(starts)[:, None] + torch.arange(block_size)).to(self.device)  # [b, B]
-        longest = max(starts)
-        layers, kv_heads, _, head_dim = self._no_rows.shape
-        keys = self._no_rows.new_zeros(layers, b, kv_heads, longest, head_dim)  # [L, b, kv, n, hd]
-        values = torch.zeros_like(keys)
-        for i, state in enumerate(states):
-            keys[:, i, :, : state.num_rows], values[:, i, :, : state.num_rows] = state.rows()
-        # the rows past a shorter context are padding (None: every context is the longest)
-        valid = None if min(starts) == longest else (torch.arange(longest)[None] < torch.tensor(starts)[:, None]).to(self.device)
-        ctx_positions = torch.arange(longest, device=self.device).expand(b, longest)
-        hidden = self.draft(self.embed(ids.view(-1).to(self.device)).view(b, block_size, -1), positions, keys, values, ctx_positions, valid)
-        return hidden[:, 1:]
+        slots = []
+        for r, start in zip(requests, starts):
+            state = r.draft_state
+            held = 0 if state is None else state.num_rows
+            if held != start:
+                raise RuntimeError(f"request {r.request_id}: its DFlash context holds {held} rows, its anchor is at {start}")
+            slots.append(0 if state is None else state.slot)  # no context yet: any slot, none of its rows is read
+        size = batch_bucket(len(requests))
+        inputs = self.inputs.get(size)
+        if inputs is None:
+            inputs = self.inputs[size] = BlockInputs(size, self.device)
+        inputs.load([r.last_token_id for r in requests], starts, slots)
+        return inputs, self.step.context_bucket(max(starts))
 
     def propose(self, requests: Sequence[Request]) -> Proposal:
         """k drafts per request from one draft block each; with sampled requests also their distributions q."""
-        k = self.num_draft_tokens
-        hidden = self._blocks_hidden(requests)[:, :k]  # [b, k, H]
-        logits = self.compute_logits(hidden.flatten(0, 1)).view(len(requests), k, -1)  # [b, k, V] fp32
-        if self.draft.candidate_selector is not None:
-            return self._select(requests, hidden, logits)
+        k, b = self.num_draft_tokens, len(requests)
+        inputs, n = self._load(requests)
         if all(r.params.is_plain_greedy for r in requests):
-            return Proposal(logits.argmax(dim=-1).cpu(), None)
+            drafts = self.graphs.run(inputs, n) if self.graphs is not None else self.step.greedy_drafts(inputs.on_device, n)
+            return Proposal(drafts[:b].cpu(), None)
+        hidden = self.step.hidden(inputs.on_device, n)[:b]  # [b, k, H]
+        logits = self.compute_logits(hidden.flatten(0, 1)).view(b, k, -1)  # [b, k, V] fp32
+        if self.draft.candidate_selector is not None:
+            return self._select(requests, hidden, logits, inputs.on_device["anchors"][:b])
         params = [r.params for r in requests]
         drafted: list[list[int]] = [[] for _ in requests]
         probs = []
@@ -145,13 +130,15 @@ class DFlashMethod:
         greedy = all(p.is_greedy for p in params)  # penalised greedy: deterministic drafts, no q
         return Proposal(torch.tensor(drafted, dtype=torch.long), None if greedy else torch.stack(probs, dim=1))
 
-    def _select(self, requests: Sequence[Request], hidden: torch.Tensor, logits: torch.Tensor) -> Proposal:
-        """DFlash2: the candidate selector's walk from each request's anchor (hidden [b, k, H], logits [b, k, V] fp32)."""
-        anchors = torch.tensor([r.last_token_id for r in requests], dtype=torch.long, device=self.device)
+    def _select(self, requests: Sequence[Request], hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> Proposal:
+        """DFlash2: the candidate selector's walk from each request's anchor (hidden [b, k, H], logits
+        [b, k, V] fp32, anchors [b] on the device)."""
         temperatures = [r.params.temperature for r in requests]
         tokens, probs = self.draft.candidate_selector.walk(hidden, logits, anchors, temperatures, [r.generator for r in requests])
         return Proposal(tokens.cpu(), probs)
 
     def release(self, request: Request) -> None:
-        """Drop the request's draft context."""
+        """Give the request's context slot back."""
+        if request.draft_state is not None:
+            self.pool.release(request.draft_state)
         request.draft_state = None
