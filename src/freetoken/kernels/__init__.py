@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from freetoken.errors import FreetokenError
-from freetoken.kernels import batched, linear_ref, norm_ref
+from freetoken.kernels import activation_ref, batched, linear_ref, norm_ref
 from freetoken.kernels.attention_ref import store_kv
 from freetoken.kernels.batched import SeqBatch, seq_batch
 from freetoken.kernels.rope_ref import apply_rope
@@ -197,7 +197,7 @@ def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
         return attention_triton.paged_attention(q, k_cache, v_cache, batch, block_size, scale, gate)
     out = batched.paged_attention_batched(q, k_cache, v_cache, batch, block_size, scale)
-    return out if gate is None else out * torch.sigmoid(gate)
+    return out if gate is None else out * activation_ref.sigmoid(gate)
 
 
 def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, batch: SeqBatch, write_state: bool = True) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.kernels import activation_ref
+
 
 def causal_conv1d(window: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """window [K-1, C], rows [T, C], weight [C, K] -> (silu(conv) [T, C] in rows.dtype, new window [K-1, C])."""
@@ -20,5 +22,5 @@ def causal_conv1d(window: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor
     acc = full[0:t].float() * w[:, 0]
     for j in range(1, kernel):
         acc = acc + full[j : j + t].float() * w[:, j]
-    out = torch.nn.functional.silu(acc).to(rows.dtype)
+    out = activation_ref.silu(acc).to(rows.dtype)
     return out, full[t:].clone()

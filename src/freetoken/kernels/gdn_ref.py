@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.kernels import activation_ref
+
 
 def gdn_recurrent(
     state: torch.Tensor,  # [Hv, Dk, Dv] fp32, updated in place
@@ -58,6 +60,6 @@ def recurrence_inputs(
     q = l2norm(q.reshape(t, num_k_heads, k_head_dim)).repeat_interleave(repeat, dim=1) * k_head_dim**-0.5
     k = l2norm(k.reshape(t, num_k_heads, k_head_dim)).repeat_interleave(repeat, dim=1)
     v = v.reshape(t, num_v_heads, v_head_dim).float()
-    beta = torch.sigmoid(b.float())
-    g = -torch.exp(a_log.float()) * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    beta = activation_ref.sigmoid(b.float())
+    g = -torch.exp(a_log.float()) * activation_ref.softplus(a.float() + dt_bias.float())
     return q, k, v, g, beta

@@ -11,9 +11,8 @@ the reason the Triton path exists.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from freetoken.kernels import linear_ref, norm_ref
+from freetoken.kernels import activation_ref, linear_ref, norm_ref
 
 
 def route(
@@ -49,11 +48,11 @@ def moe_experts(
             continue
         tokens, slot = (experts == expert).nonzero(as_tuple=True)
         h = linear_ref.linear(x[tokens], gate_up[local])
-        y = linear_ref.linear(F.silu(h[:, :inter]) * h[:, inter:], down[local])
+        y = linear_ref.linear(activation_ref.silu(h[:, :inter]) * h[:, inter:], down[local])
         acc[tokens] = acc[tokens] + (y * weights[tokens, slot][:, None]).float()
     if shared is None:
         return acc
-    return acc.to(x.dtype) + torch.sigmoid(shared_gate) * shared
+    return acc.to(x.dtype) + activation_ref.sigmoid(shared_gate) * shared
 
 
 def moe_experts_with_shared(

@@ -7,7 +7,8 @@ end, the gated form casts the normalised value first, then multiplies by w and b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from freetoken.kernels import activation_ref
 
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,7 +31,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     dtype = x.dtype
     y = weight * _normalize(x, eps).to(dtype)
     g = gate.float()
-    g = F.silu(g) if act == "silu" else torch.sigmoid(g)
+    g = activation_ref.silu(g) if act == "silu" else activation_ref.sigmoid(g)
     return (y * g).to(dtype)
 
 
@@ -43,4 +44,4 @@ def add_zc_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up [N, 2I] = [gate | up] -> [N, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return activation_ref.silu(gate) * up

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from freetoken import kernels
+from freetoken.kernels import activation_ref
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -89,4 +90,4 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
         if self.gate_up_weight is not None:
             return self.down_proj(kernels.silu_mul(kernels.linear(x, self.gate_up_weight)), defer_sum=defer_sum)
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x), defer_sum=defer_sum)
+        return self.down_proj(activation_ref.silu(self.gate_proj(x)) * self.up_proj(x), defer_sum=defer_sum)

@@ -29,13 +29,13 @@ the rank's heads and channels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.distributed.sharding import ShardSpec
 from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
+from freetoken.kernels import activation_ref
 from freetoken.layers.basic import GatedRMSNorm, _empty
 from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -120,8 +120,8 @@ class GatedDeltaNet(nn.Module):
         q = _l2norm(q.reshape(t, self.num_k_heads, self.k_head_dim)).repeat_interleave(repeat, dim=1) * self.k_head_dim**-0.5
         k = _l2norm(k.reshape(t, self.num_k_heads, self.k_head_dim)).repeat_interleave(repeat, dim=1)
         v = v.reshape(t, self.num_v_heads, self.v_head_dim).float()
-        beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        beta = activation_ref.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * activation_ref.softplus(a.float() + self.dt_bias.float())
         return q, k, v, g, beta
 
     def _batch_recurrence_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: kernels.SeqBatch):

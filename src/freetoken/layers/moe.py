@@ -36,6 +36,7 @@ from torch import nn
 from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.distributed.sharding import ShardSpec
+from freetoken.kernels import activation_ref
 from freetoken.layers.basic import MLP, Linear, _empty
 
 
@@ -114,7 +115,7 @@ class SparseMoE(nn.Module):
         routed = (x, experts, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.first)
         if self.parallel.is_parallel:
             acc = self.parallel.all_reduce(kernels.moe_experts(*routed, blocks=blocks))  # [N, H] fp32
-            return acc.to(x.dtype) + torch.sigmoid(shared_gate) * self.shared_expert(x)
+            return acc.to(x.dtype) + activation_ref.sigmoid(shared_gate) * self.shared_expert(x)
         return kernels.moe_experts(*routed, self.shared_expert(x), shared_gate, blocks)
 
 

@@ -1,12 +1,10 @@
 """Small ops of the qwen4_exp blocks that kernels/ does not have (torch only: the family runs its
 torch reference path, model.py).
 
-Row invariance on CPU: torch evaluates sigmoid and silu with a vectorised approximation for whole
-vector lanes and a scalar one for the tail, so an element's bits depend on how many elements the
-call covers. The narrow activations here ([N, S] gates, [N, r] mixer rows, cos/sin of a few
-rotary channels) would then differ between a decode step (1 row) and a verify step (k+1 rows).
-`per_row` applies such an op to one row at a time on CPU, so a row's bits depend on that row alone;
-CUDA elementwise kernels treat every element alike and take the whole tensor.
+Row invariance on CPU: an element's bits must not depend on how many rows share a call (a decode
+step has 1 row, a verify step k+1). sigmoid and silu come from kernels/activation_ref.py, which is
+written for that; `per_row` applies any other elementwise op one row at a time on CPU (CUDA
+elementwise kernels treat every element alike and take the whole tensor).
 """
 
 from __future__ import annotations
@@ -15,10 +13,10 @@ import functools
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken import kernels
+from freetoken.kernels import activation_ref
 from freetoken.layers.basic import _empty
 
 
@@ -40,12 +38,7 @@ def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return torch.cat([fn(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
 
 
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return per_row(torch.sigmoid, x)
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return per_row(F.silu, x)
+sigmoid, silu = activation_ref.sigmoid, activation_ref.silu
 
 
 def grouped_zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
