@@ -35,16 +35,11 @@ from freetoken import kernels
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.distributed.sharding import ShardSpec
 from freetoken.forward_context import ForwardContext, ForwardMode, GDNStash
-from freetoken.kernels import activation_ref
+from freetoken.kernels import gdn_ref
 from freetoken.layers.basic import GatedRMSNorm, _empty
 from freetoken.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
 CHUNK = 64  # the chunked rule's chunk; prefill pieces are cut at multiples of it (engine/scheduler.py)
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def split_extend(batch: kernels.SeqBatch) -> tuple[kernels.SeqBatch | None, kernels.SeqBatch]:
@@ -113,26 +108,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_weight: torch.Tensor | None = None  # [qkv | z | b | a] rows once merged (layers/merge.py)
 
     def _recurrence_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
-        """conv_out [T, C], a, b [T, Hv] -> q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv], all fp32."""
-        t = conv_out.shape[0]
-        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.conv_dim - 2 * self.key_dim], dim=-1)
-        repeat = self.num_v_heads // self.num_k_heads
-        q = _l2norm(q.reshape(t, self.num_k_heads, self.k_head_dim)).repeat_interleave(repeat, dim=1) * self.k_head_dim**-0.5
-        k = _l2norm(k.reshape(t, self.num_k_heads, self.k_head_dim)).repeat_interleave(repeat, dim=1)
-        v = v.reshape(t, self.num_v_heads, self.v_head_dim).float()
-        beta = activation_ref.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * activation_ref.softplus(a.float() + self.dt_bias.float())
-        return q, k, v, g, beta
-
-    def _batch_recurrence_inputs(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: kernels.SeqBatch):
-        """_recurrence_inputs over the whole step. On CPU, torch computes exp/sigmoid differently for
-        elements in its vector body and its scalar tail, so a row's bits depend on its position in
-        the tensor: there it goes sequence by sequence, exactly as the per-sequence path did. CUDA
-        elementwise kernels treat every element alike."""
-        if conv_out.is_cuda:
-            return self._recurrence_inputs(conv_out, a, b)
-        parts = [self._recurrence_inputs(conv_out[r], a[r], b[r]) for r in map(batch.rows, range(batch.num_seqs))]
-        return tuple(torch.cat(p) for p in zip(*parts))
+        """conv_out [N, C], a, b [N, Hv] -> q, k [N, Hv, Dk], v [N, Hv, Dv], g, beta [N, Hv], all fp32;
+        a row's bits depend on that row alone (kernels/activation_ref.py)."""
+        return gdn_ref.recurrence_inputs(conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.k_head_dim, self.v_head_dim)
 
     def merge_projections(self) -> None:
         """Read the four input projections [qkv | z | b | a] as one weight."""
@@ -176,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         kernels.l2_span), else torch -> [N, Hv, Dv]."""
         if kernels.use_triton(conv_out):
             return kernels.gdn_fused_recurrent(pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=write_state, out_dtype=out_dtype, prefetch=prefetch)
-        q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+        q, k, v, g, beta = self._recurrence_inputs(conv_out, a, b)
         return kernels.gdn_recurrent_batched(pool, q, k, v, g, beta, batch, write_state=write_state).to(out_dtype)
 
     def _extend(self, pool, conv_out, a, b, batch: kernels.SeqBatch, out_dtype: torch.dtype, prefetch=None) -> torch.Tensor:  # -> [N, Hv, Dv]
@@ -184,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         chunked, rest = split_extend(batch)
         if chunked is None:
             return self._recurrence(pool, conv_out, a, b, batch, True, out_dtype, prefetch)
-        q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+        q, k, v, g, beta = self._recurrence_inputs(conv_out, a, b)
         out = kernels.gdn_chunked_prefill(pool, q, k, v, g, beta, chunked)  # fp32; the chunked rows only
         if sum(rest.num_rows):
             rows = _rows_of(rest)
@@ -209,7 +187,7 @@ class GatedDeltaNet(nn.Module):
                 core = kernels.gdn_fused_recurrent(recurrent_pool, conv_out, a, b, self.A_log, self.dt_bias, self.num_k_heads, batch, write_state=False, out_dtype=x.dtype, prefetch=prefetch)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (conv_out, a, b), fused=True)
             else:
-                q, k, v, g, beta = self._batch_recurrence_inputs(conv_out, a, b, batch)
+                q, k, v, g, beta = self._recurrence_inputs(conv_out, a, b)
                 core = kernels.gdn_recurrent_batched(recurrent_pool, q, k, v, g, beta, batch, write_state=False).to(x.dtype)
                 ctx.stash[self.state_index] = GDNStash(mixed_qkv, (q, k, v, g, beta))
         else:
