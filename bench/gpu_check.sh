@@ -2,7 +2,7 @@
 # Everything the GPU issue records, in one run on a CUDA machine with the project installed:
 # the cuda-marked tests (8 pytest workers: compiling the Triton kernels dominates their time), a sweep
 # of the kernels they compiled for fused bf16 products, GPU parity in bf16 for both fixture families
-# (MTP) and for the dense one with its DFlash and DFlash2 drafts,
+# (MTP) and for the dense one with its DFlash and DFlash2 drafts, for qwen4_exp (MTP),
 # and the bench runs; the tests and parity read FIXTURES_DIR. Results go to ${OUT:-bench/results/gpu-check}.
 #
 #     bash bench/gpu_check.sh [FIXTURES_DIR]      # FIXTURES_DIR defaults to ../shared/fixtures
@@ -38,6 +38,13 @@ for draft in dflash dflash2; do
     echo "# freetoken parity --spec dflash qwen35_dense + $draft (commit $commit): exit $?" >> "$OUT/parity-$draft.log"
     rm -rf "$tmp"
 done
+
+# qwen4_exp (Qwen3.8-Flash-Next) with its MTP head: the torch reference kernels on CUDA, no graphs
+tmp=$(mktemp -d)
+freetoken convert "$FIXTURES/qwen4_exp/hf" "$tmp/qwen4_exp" > /dev/null
+freetoken parity "$tmp/qwen4_exp" --device cuda --dtype bfloat16 -k 1 -k 2 -k 3 -n 32 --json "$OUT/parity-gpu-bf16-qwen4_exp.json" > "$OUT/parity-qwen4_exp.log" 2>&1
+echo "# freetoken parity qwen4_exp (commit $commit): exit $?" >> "$OUT/parity-qwen4_exp.log"
+rm -rf "$tmp"
 
 # 256 new tokens: 64 verify steps at full acceptance (at 64 tokens, 16 steps moved the speedup a few
 # percent between processes: logs/qwen3.5-9b-b1-oracle-k3-glue-*-af298fe.json)
