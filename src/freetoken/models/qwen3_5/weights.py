@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.models import layer_tensors
 from freetoken.models.qwen3_5.config import Qwen35Config
 from freetoken.models.weight_rules import WeightRules, fuse_group, per_expert_key
 
@@ -32,57 +33,16 @@ def _mlp(prefix: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
     if not cfg.is_moe:
         i = cfg.intermediate_size
         return {f"{prefix}.gate_proj.weight": (i, h), f"{prefix}.up_proj.weight": (i, h), f"{prefix}.down_proj.weight": (h, i)}
-    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    out = {
-        f"{prefix}.gate.weight": (e, h),
-        f"{prefix}.experts.gate_up_proj": (e, 2 * i, h),
-        f"{prefix}.experts.down_proj": (e, h, i),
-    }
-    if s:
-        out |= {
-            f"{prefix}.shared_expert.gate_proj.weight": (s, h),
-            f"{prefix}.shared_expert.up_proj.weight": (s, h),
-            f"{prefix}.shared_expert.down_proj.weight": (h, s),
-            f"{prefix}.shared_expert_gate.weight": (1, h),
-        }
-    return out
-
-
-def _attention(prefix: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
-    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    return {
-        f"{prefix}.q_proj.weight": (2 * nh * hd, h),  # query and output gate, interleaved per head
-        f"{prefix}.k_proj.weight": (nkv * hd, h),
-        f"{prefix}.v_proj.weight": (nkv * hd, h),
-        f"{prefix}.o_proj.weight": (h, nh * hd),
-        f"{prefix}.q_norm.weight": (hd,),
-        f"{prefix}.k_norm.weight": (hd,),
-    }
-
-
-def _linear_attention(prefix: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
-    h, nv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    c = cfg.linear_conv_dim
-    return {
-        f"{prefix}.in_proj_qkv.weight": (c, h),
-        f"{prefix}.in_proj_z.weight": (nv * dv, h),
-        f"{prefix}.in_proj_b.weight": (nv, h),
-        f"{prefix}.in_proj_a.weight": (nv, h),
-        f"{prefix}.conv1d.weight": (c, 1, cfg.linear_conv_kernel_dim),
-        f"{prefix}.A_log": (nv,),
-        f"{prefix}.dt_bias": (nv,),
-        f"{prefix}.norm.weight": (dv,),
-        f"{prefix}.out_proj.weight": (h, nv * dv),
-    }
+    return layer_tensors.sparse_moe(prefix, cfg)
 
 
 def _decoder_layer(prefix: str, layer_type: str, cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
     out = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,)}
     if layer_type == "full_attention":
-        out |= _attention(f"{prefix}.self_attn", cfg)
+        out |= layer_tensors.gated_attention(f"{prefix}.self_attn", cfg)
     else:
-        out |= _linear_attention(f"{prefix}.linear_attn", cfg)
+        out |= layer_tensors.gated_deltanet(f"{prefix}.linear_attn", cfg)
     return out | _mlp(f"{prefix}.mlp", cfg)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 
+from freetoken.models import layer_tensors
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 from freetoken.models.weight_rules import WeightRules
 
@@ -152,53 +153,13 @@ def _gated_residual(prefix: str, cfg: Qwen4ExpConfig, *, inject: bool) -> dict[s
 
 
 def _attention(prefix: str, cfg: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
-    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    out = {
-        f"{prefix}.q_proj.weight": (2 * nh * hd, h),  # query and output gate, interleaved per head
-        f"{prefix}.k_proj.weight": (nkv * hd, h),
-        f"{prefix}.v_proj.weight": (nkv * hd, h),
-        f"{prefix}.o_proj.weight": (h, nh * hd),
-        f"{prefix}.q_norm.weight": (hd,),
-        f"{prefix}.k_norm.weight": (hd,),
-    }
+    out = layer_tensors.gated_attention(prefix, cfg)
     if cfg.uses_qsa:
         d = cfg.indexer_head_dim
         out |= {
-            f"{prefix}.indexer.index_qk_proj.weight": ((cfg.indexer_n_heads + 1) * d, h),  # n_i query heads, then the key
+            f"{prefix}.indexer.index_qk_proj.weight": ((cfg.indexer_n_heads + 1) * d, cfg.hidden_size),  # n_i query heads, then the key
             f"{prefix}.indexer.q_layernorm.weight": (d,),
             f"{prefix}.indexer.k_layernorm.weight": (d,),
-        }
-    return out
-
-
-def _linear_attention(prefix: str, cfg: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
-    h, nv, dv, c = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
-    return {
-        f"{prefix}.in_proj_qkv.weight": (c, h),
-        f"{prefix}.in_proj_z.weight": (nv * dv, h),
-        f"{prefix}.in_proj_b.weight": (nv, h),
-        f"{prefix}.in_proj_a.weight": (nv, h),
-        f"{prefix}.conv1d.weight": (c, 1, cfg.linear_conv_kernel_dim),
-        f"{prefix}.A_log": (nv,),
-        f"{prefix}.dt_bias": (nv,),
-        f"{prefix}.norm.weight": (dv,),
-        f"{prefix}.out_proj.weight": (h, nv * dv),
-    }
-
-
-def _moe(prefix: str, cfg: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
-    h, e, i, s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    out = {
-        f"{prefix}.gate.weight": (e, h),
-        f"{prefix}.experts.gate_up_proj": (e, 2 * i, h),
-        f"{prefix}.experts.down_proj": (e, h, i),
-    }
-    if s:
-        out |= {
-            f"{prefix}.shared_expert.gate_proj.weight": (s, h),
-            f"{prefix}.shared_expert.up_proj.weight": (s, h),
-            f"{prefix}.shared_expert.down_proj.weight": (h, s),
-            f"{prefix}.shared_expert_gate.weight": (1, h),
         }
     return out
 
@@ -222,8 +183,8 @@ def _decoder_layer(prefix: str, layer_type: str, cfg: Qwen4ExpConfig) -> dict[st
     if layer_type == "full_attention":
         out |= _attention(f"{prefix}.self_attn", cfg)
     else:
-        out |= _linear_attention(f"{prefix}.linear_attn", cfg)
-    return out | _moe(f"{prefix}.mlp", cfg)
+        out |= layer_tensors.gated_deltanet(f"{prefix}.linear_attn", cfg)
+    return out | layer_tensors.sparse_moe(f"{prefix}.mlp", cfg)
 
 
 def expected_tensors(cfg: Qwen4ExpConfig, *, with_mtp: bool) -> dict[str, tuple[int, ...]]:
