@@ -8,17 +8,18 @@ origin survives into the runtime.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken.errors import UnsupportedModelError
+from freetoken.models.config_dict import ManifestConfig
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Qwen35Config:
+class Qwen35Config(ManifestConfig):
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -70,19 +71,6 @@ class Qwen35Config:
     def linear_conv_dim(self) -> int:
         """Channels of the GDN short convolution: [q | k | v]."""
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key, value in d.items():
-            if isinstance(value, tuple):
-                d[key] = list(value)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen35Config":
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
-        return cls(**kwargs)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Qwen35Config":

@@ -12,10 +12,11 @@ every layer. QSA layers may be written `full_attention`, `indexed_attention` or
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from freetoken.errors import UnsupportedModelError
+from freetoken.models.config_dict import ManifestConfig
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 ATTENTION_NAMES = ("full_attention", "indexed_attention", "qwen_sparse_attention")
@@ -25,7 +26,7 @@ INDEXER_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "in
 
 
 @dataclass(frozen=True)
-class Qwen4ExpConfig:
+class Qwen4ExpConfig(ManifestConfig):
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -130,20 +131,7 @@ class Qwen4ExpConfig:
     def ple_eos_token_id(self) -> int:
         return self.eos_token_ids[0]
 
-    # -- (de)serialisation ---------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key, value in d.items():
-            if isinstance(value, tuple):
-                d[key] = list(value)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen4ExpConfig":
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
-        return cls(**kwargs)
-
+    # -- from Hugging Face ---------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Qwen4ExpConfig":
         """Normalize a Hugging Face config.json dict (top level, possibly with `text_config`); an
