@@ -10,9 +10,9 @@ EOS; positions before 0 read as EOS. x_n = XOR_s tok_s * mu_s, and head h of ord
     gv  = [sigmoid(g_s) v]_s;    gvn = norm_conv(gv)
     PLE(X) = gv + silu(causal depthwise conv of gvn: K taps, dilation N, no bias)
 
-The multipliers mu, the primes P_h and the offsets are recomputed from the config (transformers'
-`_build_layer_multipliers`, `_find_nth_prime_after`); they are plain Python numbers, not tensors
-of the checkpoint.
+The multipliers mu, the primes P_h and the offsets are recomputed from the config (weights.py, as
+transformers' `_build_layer_multipliers`, `_find_nth_prime_after`); they are plain Python numbers,
+not tensors of the checkpoint.
 
 State per request and PLE layer (the linear-state pool's extra states): the last N-1 raw ids
 ("ple_ids") and the last (K-1)*N gvn rows ("ple_conv"). A window entry for a position before 0 is
@@ -32,45 +32,8 @@ from freetoken import kernels
 from freetoken.forward_context import ForwardContext, ForwardMode, StateSpec
 from freetoken.layers.basic import Embedding, Linear, _empty
 from freetoken.models.qwen4_exp import ops
+from freetoken.models.qwen4_exp import weights
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
-
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_LAYER_SEED_STRIDE = 10007
-
-
-def splitmix64(value: int) -> int:
-    value = (value + _GAMMA) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (value ^ (value >> 31)) & _MASK64
-
-
-def hash_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
-    """The odd multipliers mu_0..mu_{N-1} of one PLE layer (tok * mu stays below 2^63)."""
-    half = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
-    base = seed + _LAYER_SEED_STRIDE * ple_index
-    return [2 * (splitmix64((base + _GAMMA * (s + 1)) & _MASK64) % half) + 1 for s in range(ngram_size)]
-
-
-def _is_prime(value: int) -> bool:
-    if value < 2 or value % 2 == 0:
-        return value == 2
-    return all(value % d for d in range(3, math.isqrt(value) + 1, 2))
-
-
-def head_table_sizes(cfg: Qwen4ExpConfig, ple_index: int) -> list[int]:
-    """P_h of the layer's heads: the (g+1)-th prime >= ngram_vocab_size_base, g the head's global index."""
-    sizes, prime = [], cfg.ngram_vocab_size_base - 1
-    heads = cfg.num_ngram_heads
-    for g in range(ple_index * heads + heads):
-        prime += 1
-        while not _is_prime(prime):
-            prime += 1
-        if g >= ple_index * heads:
-            sizes.append(prime)
-    return sizes
-
 
 def ple_state_specs(cfg: Qwen4ExpConfig) -> tuple[StateSpec, ...]:
     """The pool entries of the PLE layers' windows (none without PLE)."""
@@ -89,12 +52,10 @@ class NGramEmbedding(nn.Module):
     def __init__(self, cfg: Qwen4ExpConfig, ple_index: int):
         super().__init__()
         self.ngram_size, self.heads_per_ngram = cfg.ngram_size, cfg.heads_per_ngram
-        self.multipliers = hash_multipliers(cfg.vocab_size, cfg.ngram_size, ple_index, cfg.seed)
-        self.table_sizes = head_table_sizes(cfg, ple_index)
-        self.offsets = [sum(self.table_sizes[:h]) for h in range(len(self.table_sizes))]
-        divisor = cfg.make_ngram_vocab_size_divisible_by
-        rows = -(-sum(self.table_sizes) // divisor) * divisor
-        self.ngram_embedding = Embedding(rows, cfg.ple_embed_dim // cfg.num_ngram_heads)
+        self.multipliers = weights.ngram_layer_multipliers(cfg, ple_index)
+        self.table_sizes = weights.ngram_head_vocab_sizes(cfg, ple_index)
+        self.offsets = weights.ngram_head_offsets(cfg, ple_index)
+        self.ngram_embedding = Embedding(weights.ngram_table_rows(cfg, ple_index), weights.ngram_table_dim(cfg))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [N, ngram_size] (column s: tok_s) -> [N, E_p]
         device = tokens.device
