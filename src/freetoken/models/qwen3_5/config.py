@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.errors import UnsupportedModelError
-from freetoken.models.config_dict import ManifestConfig
+from freetoken.models.config_base import HybridLayout, ManifestConfig
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class Qwen35Config(ManifestConfig):
+class Qwen35Config(ManifestConfig, HybridLayout):
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -54,23 +54,6 @@ class Qwen35Config(ManifestConfig):
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @property
-    def linear_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
-
-    @property
-    def linear_conv_dim(self) -> int:
-        """Channels of the GDN short convolution: [q | k | v]."""
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Qwen35Config":

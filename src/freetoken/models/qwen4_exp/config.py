@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.errors import UnsupportedModelError
-from freetoken.models.config_dict import ManifestConfig
+from freetoken.models.config_base import HybridLayout, ManifestConfig
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 ATTENTION_NAMES = ("full_attention", "indexed_attention", "qwen_sparse_attention")
@@ -26,7 +26,7 @@ INDEXER_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "in
 
 
 @dataclass(frozen=True)
-class Qwen4ExpConfig(ManifestConfig):
+class Qwen4ExpConfig(ManifestConfig, HybridLayout):
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -96,26 +96,9 @@ class Qwen4ExpConfig(ManifestConfig):
         return self.indexer_n_heads is not None
 
     @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @property
-    def linear_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
-
-    @property
     def ple_layers(self) -> tuple[int, ...]:
         """0-indexed decoder layers with PLE, in order (their position here is the layer's ple_index)."""
         return tuple(i - 1 for i in self.ple_layer_ids)
-
-    @property
-    def linear_conv_dim(self) -> int:
-        """Channels of the GDN short convolution: [q | k | v]."""
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def wide_size(self) -> int:
