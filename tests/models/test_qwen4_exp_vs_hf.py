@@ -12,7 +12,8 @@ contexts (runner.build_context), with the sequence fed
 - as a prefix then one row per step (decode), every row's logits against the reference row,
 
 and through the scheduler (several prompts, a tiny token budget), against transformers' own
-greedy `generate` on the fixture checkpoint.
+greedy `generate` on the fixture checkpoint; the fixture turned into a YaRN checkpoint, against
+transformers' own forward on it.
 """
 
 from __future__ import annotations
@@ -142,3 +143,28 @@ def test_dflash_is_refused_in_one_line(target):
     """DFlash drafts read H-wide layer taps; this family's layer outputs are S*H wide."""
     with pytest.raises(FreetokenError, match="qwen4_exp"):
         target.draft_network("dflash")
+
+
+def test_yarn_checkpoint_matches_transformers(tmp_path, refs):
+    """The fixture with YaRN RoPE (factor 4 over an original context of 8 positions, so the longest
+    sequence runs well past it) against transformers' own forward on the same directory, whole and
+    as a prefix then decode rows."""
+    import json
+    import shutil
+
+    from tests.conftest import convert_unified, hf_logits
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(FIXTURES / MODEL / "hf", hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["text_config"]["rope_parameters"] |= {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    model = load_unified(convert_unified(hf_dir, tmp_path / "unified"), with_mtp=False)
+    assert model.config.rope_type == "yarn"
+    hf = hf_model_from_dir(hf_dir)
+    ids = refs["seq2.input_ids"].tolist()  # 33 tokens
+    want, _ = hf_logits(hf, ids)
+    assert diff(want, refs["seq2.logits"]) > 1e-2  # the scaling changes the model
+    for pieces in ([len(ids)], [11] + [1] * (len(ids) - 11)):
+        wide, _ = run_pieces(model, ids, pieces)
+        assert diff(model.compute_logits(wide), want) <= TOL, pieces
