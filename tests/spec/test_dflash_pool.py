@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from freetoken.engine.request import Request
 from freetoken.engine.spec_protocol import CommittedRows
 from freetoken.sampling import SamplingParams
-from freetoken.spec.dflash.block_step import BlockInputs, batch_bucket, context_buckets
+from freetoken.spec.dflash.block_step import BlockInputs, batch_bucket
+from freetoken.spec.dflash.context_pool import context_buckets
 from freetoken.spec.dflash.context_pool import ContextPool
 from freetoken.spec.dflash.draft_graph import DraftGraphs
 from freetoken.spec.dflash.method import DFlashMethod
@@ -166,6 +167,39 @@ def test_pool_grows_keeping_rows_and_reuses_slots():
     assert keys.shape == (2, 2, 2, 3, 4) and torch.equal(keys[:, 1], rows[0]) and not keys[:, 0].any()
 
 
+def test_capacity_follows_the_longest_context():
+    """Rows per slot start at the smallest bucket and grow to the bucket of the longest row written,
+    the held rows kept; the slots' count and the capacity grow independently."""
+    pool = ContextPool(1, 1, 640, 2, torch.float32, "cpu")
+    assert pool.capacity == 256
+    a = pool.acquire()
+    early = torch.randn(1, 1, 5, 2), torch.randn(1, 1, 5, 2)
+    pool.write(torch.tensor([a.slot] * 5), torch.arange(5), *early)
+    a.num_rows = 5
+    pool.reserve(256)
+    assert pool.capacity == 256 and pool.generation == 0
+    pool.reserve(300)
+    assert pool.capacity == 512 and pool.generation == 1
+    late = torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2)
+    pool.write(torch.tensor([a.slot]), torch.tensor([299]), *late)
+    b = pool.acquire()  # a second slot: the count doubles at the current capacity
+    assert pool.num_slots == 2 and pool.capacity == 512 and b.slot == 1
+    keys, values = pool.gather(torch.tensor([a.slot]), 512)
+    assert torch.equal(keys[:, 0, :, :5], early[0][:, :, :5]) and torch.equal(values[:, 0, :, 299:300], late[1])
+    pool.reserve(641 - 1)
+    assert pool.capacity == 640
+
+
+def test_a_method_keeps_only_the_rows_its_requests_reach():
+    method = make_method("dflash")
+    s = Stream(0, 700, torch.Generator().manual_seed(4), method)
+    method.observe([s.commit(method, 40)])
+    assert method.pool.capacity == 256
+    method.observe([s.commit(method, 300)])
+    assert method.pool.capacity == 512
+    check_batch(method, [s])
+
+
 def test_observe_checks_positions_and_room():
     method = make_method("dflash")
     s = Stream(0, 700, torch.Generator().manual_seed(1), method)
@@ -242,5 +276,5 @@ def test_graph_path_without_capture(version, monkeypatch):
                 method.observe([s.commit(method, 20 + s.request.request_id) for s in batch[1:]])
             check_batch(method, batch)
         method.observe([s.commit(method, (step + i) % (K + 1) + 1) for i, s in enumerate(streams)])
-    assert method.pool.generation == 2  # 1 -> 2 -> 4 slots
-    assert sorted(graphs.graphs) == [(1, 256), (1, 512), (4, 256), (4, 512)]
+    assert method.pool.generation == 3  # 1 -> 2 -> 4 slots, 256 -> 512 rows a slot
+    assert sorted(graphs.graphs) == [(1, 512), (4, 512)]  # the 256-row graphs went with the capacity growth

@@ -21,24 +21,13 @@ from typing import Callable, Sequence
 import torch
 
 from freetoken.engine.cuda_graph import StagingBuffer
-from freetoken.spec.dflash.context_pool import ContextPool
+from freetoken.spec.dflash.context_pool import ContextPool, bucket_of
 from freetoken.spec.dflash.draft import DFlashDraft
-
-SMALLEST_CONTEXT_BUCKET = 256
 
 
 def batch_bucket(num_seqs: int) -> int:
     """The batch size a batch of num_seqs blocks runs at: 1, 2, 4, then the next multiple of 8."""
     return next((b for b in (1, 2, 4) if num_seqs <= b), -(-num_seqs // 8) * 8)
-
-
-def context_buckets(max_ctx: int, smallest: int = SMALLEST_CONTEXT_BUCKET) -> tuple[int, ...]:
-    """The context lengths a step runs at: powers of two from `smallest` below max_ctx, then max_ctx."""
-    buckets, n = [], smallest
-    while n < max_ctx:
-        buckets.append(n)
-        n *= 2
-    return tuple(buckets) + (max_ctx,)
 
 
 class BlockInputs(StagingBuffer):
@@ -68,11 +57,11 @@ class BlockStep:
         self.mask_ids = torch.full((1, cfg.block_size - 1), cfg.mask_token_id, dtype=torch.long, device=device)  # [1, B-1]
         self.offsets = torch.arange(cfg.block_size, device=device)[None]  # [1, B]
         self.ctx_positions = torch.arange(pool.max_ctx, device=device)  # [max_ctx]
-        self.buckets = context_buckets(pool.max_ctx)
 
     def context_bucket(self, longest: int) -> int:
-        """The context length a step whose longest context has `longest` rows runs at."""
-        return next(n for n in self.buckets if n >= longest)
+        """The context length a step whose longest context has `longest` rows runs at (the pool's
+        capacity is at least that: it is the bucket of the longest context written)."""
+        return bucket_of(self.pool.buckets, longest)
 
     def hidden(self, inputs: dict[str, torch.Tensor], n: int) -> torch.Tensor:  # -> [bb, k, H]
         """The draft's normed output at slots 1 .. k of each block; inputs: BlockInputs.on_device

@@ -83,6 +83,7 @@ class DFlashMethod:
             index[1, end : end + m] = state.slot
             states.append(state)
             end += m
+        self.pool.reserve(max(s.num_rows + m for s, m in zip(states, counts)))
         index = torch.from_numpy(index).to(self.device)
         features = rows[0].layer_hidden if len(rows) == 1 else torch.cat([r.layer_hidden for r in rows])  # [sum(counts), n_taps * H]
         keys, values = self.draft.context_kv(self.draft.context(features), index[0])  # [L, kv, sum(counts), hd] each
