@@ -1,4 +1,4 @@
-"""`freetoken convert SRC DST [--dflash DRAFT]`: any supported checkpoint (and a DFlash draft for it) -> unified checkpoint, with a byte progress bar.
+"""`freetoken convert SRC DST [--mtp HEAD] [--dflash DRAFT]`: any supported checkpoint (and an MTP head or DFlash draft for it) -> unified checkpoint, with a byte progress bar.
 
 A unified SRC is accepted only with --dflash: it is copied with the draft added.
 
@@ -60,7 +60,7 @@ def convert(
     dtype: Annotated[DType, typer.Option("--dtype", help="Cast floating tensors; auto keeps the source dtype.")] = DType.auto,
     text_only: Annotated[bool, typer.Option("--text-only", help="Drop the vision tower (model.visual.*).")] = False,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Maximum shard size, e.g. 5GB or 2GiB.")] = "5GB",
-    mtp: Annotated[str | None, typer.Option("--mtp", help="GGUF sources: a separate mtp-*.gguf MTP head.")] = None,
+    mtp: Annotated[str | None, typer.Option("--mtp", help="GGUF sources: a separate mtp-*.gguf MTP head; GGUF or HF qwen4_exp sources without a head: a Strata MTP pack.")] = None,
     dflash: Annotated[str | None, typer.Option("--dflash", help="A DFlash draft directory (config.json + model.safetensors) for this target, stored under dflash.*.")] = None,
 ) -> None:
     """Convert a checkpoint into freetoken's unified format."""

@@ -4,6 +4,7 @@
 converter of that format, imported lazily so that `freetoken --help` stays fast:
   hf    -> `hf.convert_hf`        (Hugging Face safetensors directory or cached repo id)
   gguf  -> `gguf.convert_gguf`    (a .gguf file, optionally with an `mtp-*.gguf` sidecar)
+`mtp=` may also be an MTP pack (`gguf_mtp_pack.py`: Strata's qwen4exp-mtp), for a GGUF or HF target without an MTP head.
   unified -> `unified.convert_unified` (only with `dflash=`: the checkpoint plus a DFlash draft)
 Any target may take a DFlash draft directory (`dflash=`, read by `dflash.read_dflash`); a draft
 passed as the source itself is refused, and so is a unified source without one.
@@ -35,11 +36,13 @@ def convert(
     path = resolve_source(src)
     fmt = detect_format(path)
     if fmt == "hf":
-        if mtp is not None:
-            raise FreetokenError("--mtp applies to GGUF sources only (a HF checkpoint carries its MTP head inside)", mtp)
+        from freetoken.converters.gguf_mtp_pack import is_mtp_pack_file
+
+        if mtp is not None and not is_mtp_pack_file(mtp):
+            raise FreetokenError("--mtp applies to GGUF sources only, or to an MTP pack (a HF checkpoint carries its MTP head inside)", mtp)
         from freetoken.converters.hf import convert_hf
 
-        return convert_hf(path, dst, force=force, dtype=dtype, text_only=text_only, shard_size=shard_size, dflash=dflash, progress=progress)
+        return convert_hf(path, dst, force=force, dtype=dtype, text_only=text_only, shard_size=shard_size, mtp=mtp, dflash=dflash, progress=progress)
     if fmt == "gguf":
         from freetoken.converters.gguf import convert_gguf
 

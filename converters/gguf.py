@@ -15,7 +15,8 @@ Layout:
 - `_Plan`: which GGUF tensors make which canonical tensor, with which undo steps; built and
   validated against the family's `expected_tensors` before anything is written. Tensors larger
   than `STREAM_ABOVE_BYTES` that need no undo are streamed to the writer in row blocks.
-- `find_mtp_sidecar`, `check_pairing`: MTP head discovery and validation.
+- `find_mtp_sidecar`, `check_pairing`: MTP head discovery and validation (MTP packs, which carry
+  HF names and no hyper-parameters, are read by gguf_mtp_pack.py).
 - `convert_gguf`, `describe_gguf`: the public entry points.
 """
 
@@ -372,7 +373,7 @@ def _part_of(undo: tuple[str, ...]) -> tuple[int, int] | None:
     return next((PARTS[u] for u in undo if u in PARTS), None)
 
 
-def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
+def _plan(target: GgufFile, head: GgufFile | None, cfg, *, drop_target_mtp: bool = False) -> _Plan:
     table = gguf_arch(target).names
     ple_layers = getattr(cfg, "ple_layers", ())
     items: dict[str, _Item] = {}
@@ -382,8 +383,8 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
     sources: list[tuple[GgufFile, str]] = []
     for name in target.tensors:
         i = block_index(name)
-        if head is not None and i is not None and i >= target.n_layer:
-            continue  # the sidecar's head replaces an embedded one
+        if (head is not None or drop_target_mtp) and i is not None and i >= target.n_layer:
+            continue  # the sidecar's (or a pack's) head replaces an embedded one
         sources.append((target, name))
     if head is not None:
         sources += [(head, n) for n in head.tensors if (block_index(n) or -1) >= head.n_layer]
@@ -458,7 +459,7 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg) -> _Plan:
         transforms.append("per_layer_token_embd renamed to the PLE layer's ple_embedding.ngram_embedding")
     if any(n.endswith(".scale") and not n.endswith(".input_scale") for g, n in sources):
         transforms.append("NVFP4 per-tensor .scale multiplied into the weights")
-    mtp_src = head if head is not None else (target if target.has_mtp_block else None)
+    mtp_src = head if head is not None else (target if target.has_mtp_block and not drop_target_mtp else None)
     if mtp_src is not None:
         transforms.append(f"MTP block blk.{mtp_src.n_layer}.* (nextn) renamed to mtp.* from {mtp_src.path.name}")
     types = Counter(type_name(g.tensors[n].type_id) for g, n in sources)
@@ -578,7 +579,8 @@ def convert_gguf(
 
     The MTP head comes from `mtp` if given (it replaces an embedded nextn block), else from the
     target's own nextn block, else from the one `mtp-*.gguf` beside the target (recorded in
-    provenance.sources, nothing printed). Tensors are written as `dtype` (default bfloat16: the
+    provenance.sources, nothing printed). `mtp` may also be an MTP pack (`gguf_mtp_pack.py`,
+    validated against the target's config; its tensors already carry canonical names). Tensors are written as `dtype` (default bfloat16: the
     released checkpoints are bf16 and llama.cpp's F32 files hold their exact upcasts; pass
     torch.float32 to keep dequantized values unrounded). `dflash`: a DFlash draft directory
     converted with it (under `dflash.*`, `converters/dflash.py`; its tensors keep their dtype
@@ -593,21 +595,34 @@ def convert_gguf(
         from freetoken.errors import OutputExistsError
 
         raise OutputExistsError("output exists (use --force to replace it)", dst)
+    from freetoken.converters.gguf_mtp_pack import is_mtp_pack, read_mtp_pack
+
     target = open_gguf(src)
+    if is_mtp_pack(target):
+        raise FreetokenError("this is an MTP pack, not a target; pass it as --mtp next to its target", src)
     family = gguf_arch(target).family
     if target.mtp_only:
         raise FreetokenError("this is an MTP-only head, not a target; pass it as --mtp next to its target GGUF", src)
     head_path = Path(mtp) if mtp is not None else (None if target.has_mtp_block else find_mtp_sidecar(src))
     head = open_gguf(head_path) if head_path is not None else None
-    if head is not None:
+    pack = None
+    if head is not None and is_mtp_pack(head):
+        pack, head = head, None
+    elif head is not None:
         check_pairing(target, head)
 
     tied = "output.weight" not in target.tensors
     cfg = config_from_meta(target, tied=tied)
-    with_mtp = head is not None or target.has_mtp_block
+    if pack is not None:
+        pack = read_mtp_pack(pack, family, cfg)
+        cfg = pack.config
+    with_mtp = head is not None or (target.has_mtp_block and pack is None)  # an MTP head among the GGUF tensors
     n_mtp = head.nextn if head is not None else target.nextn
-    cfg = replace(cfg, mtp_num_hidden_layers=n_mtp if with_mtp else 0)
-    plan = _plan(target, head, cfg)
+    if pack is None:
+        cfg = replace(cfg, mtp_num_hidden_layers=n_mtp if with_mtp else 0)
+    plan = _plan(target, head, cfg, drop_target_mtp=pack is not None)
+    if pack is not None and target.has_mtp_block:
+        plan.transforms.append(f"the target's own MTP block blk.{target.n_layer}.* replaced by the pack's head")
     if tied:
         plan.transforms.append("no output.weight: lm_head tied to token_embd")
     if head is not None and is_shared_head(head):
@@ -618,8 +633,11 @@ def convert_gguf(
     sources = tuple(hash_file(p) for p in target.paths + (head.paths if head is not None else []))
     provenance = Provenance(converter="gguf", freetoken_version=__version__, sources=sources, transforms=tuple(plan.transforms))
     config = cfg.to_dict()
-    tensors = _stream(plan, cfg, dtype if dtype is not None else torch.bfloat16)
+    out_dtype = dtype if dtype is not None else torch.bfloat16
+    tensors = _stream(plan, cfg, out_dtype)
     draft_heads = {"mtp": {"num_layers": n_mtp}} if with_mtp else {}
+    if pack is not None:
+        tensors, draft_heads, provenance = pack.attach(tensors, draft_heads, provenance, out_dtype)
     if dflash is not None:
         from freetoken.converters.dflash import read_dflash
 

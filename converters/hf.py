@@ -323,23 +323,37 @@ def convert_hf(
     dtype: torch.dtype | None = None,
     text_only: bool = False,
     shard_size: int = 5 * 10**9,
+    mtp: str | Path | None = None,
     dflash: str | Path | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Convert an HF checkpoint directory (or a cached repo id) into a unified checkpoint at `dst`.
 
-    `dflash`: a DFlash draft directory converted with it (under `dflash.*`, `converters/dflash.py`).
+    `mtp`: an MTP pack GGUF (`converters/gguf_mtp_pack.py`) for a checkpoint without `mtp.*`; its
+    tensors are written as `dtype` (default bfloat16). `dflash`: a DFlash draft directory converted
+    with it (under `dflash.*`, `converters/dflash.py`).
     """
     dst = Path(dst)
     if dst.exists() and not force:
         raise OutputExistsError("output exists (use --force to replace it)", dst)
     source = read_hf(src, text_only=text_only)
-    config = source.config.to_dict()
+    cfg, pack = source.config, None
+    n_mtp = cfg.mtp_num_hidden_layers
+    if mtp is not None:
+        from freetoken.converters.gguf import open_gguf
+        from freetoken.converters.gguf_mtp_pack import read_mtp_pack
+
+        pack = read_mtp_pack(open_gguf(mtp), source.family, cfg)
+        if n_mtp:
+            raise CheckpointError("the checkpoint already has an MTP head (mtp.*); an MTP pack is for a target without one", resolve_source(src))
+        cfg = pack.config
+    config = cfg.to_dict()
     if source.vision_config is not None:
         config["vision_config"] = source.vision_config
-    n_mtp = source.config.mtp_num_hidden_layers
     tensors, provenance = source.tensors, source.provenance
     draft_heads = {"mtp": {"num_layers": n_mtp}} if n_mtp else {}
+    if pack is not None:
+        tensors, draft_heads, provenance = pack.attach(tensors, draft_heads, provenance, dtype if dtype is not None else torch.bfloat16)
     if dflash is not None:
         from freetoken.converters.dflash import read_dflash
 
