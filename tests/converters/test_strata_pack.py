@@ -92,10 +92,9 @@ def make_pack(path: Path, experts: str = "BF16", *, arch: str = "qwen4exp-mtp", 
 
 
 @pytest.fixture(scope="module")
-def hf_unified(tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("hf") / "unified"
-    convert(HF, dst)
-    return dst
+def hf_unified(fixture_unified) -> Path:
+    """The HF fixture converted once per session (tests/conftest.py)."""
+    return fixture_unified("qwen4_exp")
 
 
 @pytest.fixture(scope="module")
