@@ -2,14 +2,14 @@
 
 The packs are built here from the fixture's HF `mtp.*` tensors as Strata's `mtp_pack.py` lays them
 out: arch `qwen4exp-mtp`, the four `strata.mtp.*` keys, raw HF names, 1-D F32, dense BF16, fused
-experts BF16 / Q8_0 / Q2_0 quantized along the input axis. gguf 0.19's writer has no Q2_0 (type 42),
+experts BF16 / Q8_0 / Q4_0 / Q2_0 quantized along the input axis. gguf 0.19's writer has no Q2_0 (type 42),
 but it writes `raw_dtype` verbatim as the tensor-info type id and only looks the type up to turn a
 uint8 byte shape into an element shape; passing the element shape (`raw_shape`) and the bytes as
 int8 skips that look-up, so the entry is the one a Q2_0-aware writer makes. The Q2_0 blocks follow
 the layout test_dequant.py checks (fp16 d, 2-bit codes LSB first, value (code - 1) * d). The
 fixture's down_proj input width (32) is half a Q2_0 block, so the Q2_0 pack keeps it in Q8_0.
 
-Oracles: the HF fixture's tensors (BF16 and F32 exactly; Q8_0 / Q2_0 within each block's scale),
+Oracles: the HF fixture's tensors (BF16 and F32 exactly; Q8_0 / Q4_0 / Q2_0 within each block's scale),
 the HF fixture's own conversion (MTP logits equal), `freetoken parity --spec mtp`.
 """
 
@@ -41,6 +41,7 @@ from tests.converters.test_qwen4_exp_convert import GGUF, HF, _mtp_block, _rewri
 EXPERTS = ("mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj")
 KEYS = {"strata.mtp.source": "fixtures/qwen4_exp/hf", "strata.mtp.source_sha256": "0" * 64, "strata.mtp.expert_format": "bf16", "strata.mtp.expert_quantizer": "none"}
 Q2_0 = 42
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}  # bytes of a block, the first two its fp16 scale d
 
 
 def _hf_mtp() -> dict[str, torch.Tensor]:
@@ -58,7 +59,7 @@ def _q2_0(a: np.ndarray) -> np.ndarray:
 
 
 def _scales(raw: np.ndarray, size: int) -> np.ndarray:
-    """Per-block fp16 scale d of blocks of `size` bytes (Q8_0: 34, Q2_0: 18): bytes 0-1 of each block."""
+    """Per-block fp16 scale d of blocks of `size` bytes (Q8_0: 34, Q4_0 and Q2_0: 18): bytes 0-1 of each block."""
     return raw.reshape(-1, size)[:, :2].copy().view(np.float16).astype(np.float32).reshape(-1)
 
 
@@ -82,8 +83,8 @@ def make_pack(path: Path, experts: str = "BF16", *, arch: str = "qwen4exp-mtp", 
         else:
             raw = quantize(a, T[kind])
             writer.add_tensor(name, raw, raw_dtype=T[kind])
-            if kind == "Q8_0":
-                scales[name] = _scales(raw, 34)
+            if kind in BLOCK_BYTES:
+                scales[name] = _scales(raw, BLOCK_BYTES[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -124,13 +125,13 @@ def test_bf16_pack_on_gguf_target_equals_hf(hf_unified, gguf_with_pack, bf16_pac
     assert str(bf16_pack.absolute()) in {s.path for s in m.provenance.sources}
 
 
-@pytest.mark.parametrize("experts", ["Q8_0", "Q2_0"])
+@pytest.mark.parametrize("experts", ["Q8_0", "Q4_0", "Q2_0"])
 def test_quantized_experts_within_one_step(experts, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_converter, "STREAM_ABOVE_BYTES", 4096)  # the experts reach the writer one expert at a time
     scales = make_pack(tmp_path / "pack.gguf", experts)
     assert set(scales) == set(EXPERTS)
     stored = open_gguf(tmp_path / "pack.gguf").tensors
-    want = {"Q8_0": ("Q8_0", "Q8_0"), "Q2_0": ("Q2_0", "Q8_0")}[experts]  # down_proj's input width 32 is half a Q2_0 block
+    want = {"Q8_0": ("Q8_0", "Q8_0"), "Q4_0": ("Q4_0", "Q4_0"), "Q2_0": ("Q2_0", "Q8_0")}[experts]  # down_proj's input width 32 is half a Q2_0 block
     assert tuple(type_name(stored[n].type_id) for n in EXPERTS) == want
     convert(GGUF, tmp_path / "out", mtp=tmp_path / "pack.gguf", dtype=torch.float32)
     got = UnifiedCheckpoint.open(tmp_path / "out")
@@ -140,7 +141,7 @@ def test_quantized_experts_within_one_step(experts, tmp_path, monkeypatch):
             assert torch.equal(have, want.float()), name
             continue
         err = (have - want.float()).reshape(len(scales[name]), -1).abs().amax(1)
-        assert (err <= torch.from_numpy(scales[name])).all(), name  # one step (d) per block
+        assert (err <= torch.from_numpy(scales[name]).abs()).all(), name  # one step (|d|: Q4_0 signs it) per block
         assert err.max() > 0, name  # really quantized
     assert "dequantized to the output dtype: BF16 x" in "\n".join(got.manifest.provenance.transforms)
 
