@@ -15,7 +15,7 @@ from freetoken.errors import UnsupportedModelError
 @dataclass(frozen=True)
 class FamilySpec:
     name: str
-    module: str  # provides build(config: dict, with_mtp: bool) and parse_hf_config(dict) -> normalized dict
+    module: str  # provides build(config: dict, with_mtp: bool) and hf_text_config(config: dict) (transformers' config, the oracle)
     model_types: tuple[str, ...]
     config_class: str  # "module:Class" of the frozen normalized config (from_hf, from_dict, to_dict)
     weights: str  # module with RULES: WeightRules (canonical names, expected tensors, source transforms)

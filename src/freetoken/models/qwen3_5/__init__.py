@@ -9,8 +9,11 @@ from freetoken.models.qwen3_5.config import Qwen35Config
 SUPPORTS_TENSOR_PARALLEL = True
 
 
-def parse_hf_config(config: dict[str, Any]) -> dict[str, Any]:
-    return Qwen35Config.from_hf(config).to_dict()
+def hf_text_config(config: dict[str, Any]):
+    """transformers' text config for the normalized `config` (the `parity --against hf` oracle)."""
+    from freetoken.models.qwen3_5.hf_config import hf_text_config as build_hf_config
+
+    return build_hf_config(config)
 
 
 def build(config: dict[str, Any], with_mtp: bool, parallel=None):

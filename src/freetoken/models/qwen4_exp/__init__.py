@@ -9,10 +9,6 @@ from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 SUPPORTS_TENSOR_PARALLEL = False
 
 
-def parse_hf_config(config: dict[str, Any]) -> dict[str, Any]:
-    return Qwen4ExpConfig.from_hf(config).to_dict()
-
-
 def build(config: dict[str, Any], with_mtp: bool, parallel=None):
     """The model with unset parameters (one rank: tensor parallelism is not supported for this family)."""
     from freetoken.models.qwen4_exp.model import Qwen4ExpForCausalLM
