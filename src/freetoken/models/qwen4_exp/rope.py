@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from freetoken.kernels.rope_ref import rope_inv_freq
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 from freetoken.models.qwen4_exp.ops import per_row
 
@@ -50,8 +51,7 @@ class Rotary:
         if cfg.rope_type == "yarn":
             self.inv_freq, self.scale = yarn_inv_freq(cfg)
         else:
-            exponents = torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.rotary_dim
-            self.inv_freq, self.scale = 1.0 / (cfg.rope_theta**exponents), 1.0
+            self.inv_freq, self.scale = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device="cpu"), 1.0
         self.rotary_dim = cfg.rotary_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
