@@ -14,7 +14,7 @@ Layout:
   `gguf_qwen4exp.qwen4exp_config`).
 - `_Plan`: which GGUF tensors make which canonical tensor, with which undo steps; built and
   validated against the family's `expected_tensors` before anything is written. Tensors larger
-  than `STREAM_ABOVE_BYTES` that need no undo are streamed to the writer in row blocks.
+  than `STREAM_ABOVE_BYTES` that need no undo are streamed to the writer in row blocks (`load_tensor`).
 - `find_mtp_sidecar`, `check_pairing`: MTP head discovery and validation (MTP packs, which carry
   HF names and no hyper-parameters, are read by gguf_mtp_pack.py).
 - `convert_gguf`, `describe_gguf`: the public entry points.
@@ -236,30 +236,12 @@ def qwen35_config(g: GgufFile, *, tied: bool):
     from freetoken.models.qwen3_5.config import Qwen35Config
 
     try:
-        n_layer = g.n_layer
-        recurrent = g.key("attention.recurrent_layers")
-        if recurrent:
-            layer_types = tuple("linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layer])
-        else:
-            interval = int(g.key("full_attention_interval", 4))
-            layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layer))
-        head_dim = int(g.key("attention.key_length"))
-        nv = int(g.key("ssm.time_step_rank"))
+        trunk = hybrid_fields(g)
+        head_dim = trunk["head_dim"]
         moe = g.arch == "qwen35moe"
         sections = [int(s) for s in g.key("rope.dimension_sections", [11, 11, 10, 0])]
         return Qwen35Config(
-            vocab_size=len(g.meta["tokenizer.ggml.tokens"]),
-            hidden_size=int(g.key("embedding_length")),
-            num_hidden_layers=n_layer,
-            layer_types=layer_types,
-            num_attention_heads=int(g.key("attention.head_count")),
-            num_key_value_heads=int(g.key("attention.head_count_kv")),
-            head_dim=head_dim,
-            linear_num_key_heads=int(g.key("ssm.group_count")),
-            linear_num_value_heads=nv,
-            linear_key_head_dim=int(g.key("ssm.state_size")),
-            linear_value_head_dim=int(g.key("ssm.inner_size")) // nv,
-            linear_conv_kernel_dim=int(g.key("ssm.conv_kernel", 4)),
+            **trunk,
             intermediate_size=None if moe else int(g.key("feed_forward_length")),
             num_experts=int(g.key("expert_count")) if moe else 0,
             num_experts_per_tok=int(g.key("expert_used_count")) if moe else 0,
@@ -277,6 +259,33 @@ def qwen35_config(g: GgufFile, *, tied: bool):
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"GGUF metadata incomplete for {g.arch} ({type(e).__name__}: {e})", g.path) from None
+
+
+def hybrid_fields(g: GgufFile) -> dict[str, Any]:
+    """The GDN / attention hybrid trunk's geometry from a qwen35 / qwen4exp GGUF's metadata, under the
+    normalized configs' (Hugging Face's) field names; trunk depth excludes nextn."""
+    n_layer = g.n_layer
+    recurrent = g.key("attention.recurrent_layers")
+    if recurrent:
+        layer_types = tuple("linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layer])
+    else:
+        interval = int(g.key("full_attention_interval", 4))
+        layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layer))
+    nv = int(g.key("ssm.time_step_rank"))
+    return dict(
+        vocab_size=len(g.meta["tokenizer.ggml.tokens"]),
+        hidden_size=int(g.key("embedding_length")),
+        num_hidden_layers=n_layer,
+        layer_types=layer_types,
+        num_attention_heads=int(g.key("attention.head_count")),
+        num_key_value_heads=int(g.key("attention.head_count_kv")),
+        head_dim=int(g.key("attention.key_length")),
+        linear_num_key_heads=int(g.key("ssm.group_count")),
+        linear_num_value_heads=nv,
+        linear_key_head_dim=int(g.key("ssm.state_size")),
+        linear_value_head_dim=int(g.key("ssm.inner_size")) // nv,
+        linear_conv_kernel_dim=int(g.key("ssm.conv_kernel", 4)),
+    )
 
 
 def meta_float(v: Any) -> float:
@@ -380,6 +389,7 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg, *, drop_target_mtp: bool
     undo_count: Counter[str] = Counter()
     split_qkv = 0
     split_cols: list[str] = []
+    flattened = 0  # hyper-connection norms stored 2-D
     sources: list[tuple[GgufFile, str]] = []
     for name in target.tensors:
         i = block_index(name)
@@ -398,6 +408,7 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg, *, drop_target_mtp: bool
             raise CheckpointError(f"unexpected tensor {name} for architecture {g.arch}", g.path)
         canon, undo = r
         t = g.tensors[name]
+        flattened += "flat" in undo and len(t.shape) > 1
         if isinstance(canon, tuple):  # one GGUF tensor split evenly along its columns
             w = t.shape[1] // len(canon)
             for j, c in enumerate(canon):
@@ -450,7 +461,6 @@ def _plan(target: GgufFile, head: GgufFile | None, cfg, *, drop_target_mtp: bool
         transforms.append(f"fused attn_qkv split into q/k/v projections ({split_qkv} layers)")
     if undo_count["qk_q"]:
         transforms.append(f"QSA indexer.q_proj + indexer.k_proj joined into index_qk_proj ({undo_count['qk_q']} layers)")
-    flattened = sum(1 for g, n in sources if len(g.tensors[n].shape) > 1 and "flat" in (resolve(n, g.n_layer, table, None) or ("", ()))[1])
     if flattened:
         transforms.append(f"hyper-connection norms stored as [hc, hidden] flattened to [hc * hidden] ({flattened} tensors)")
     for name in split_cols:
@@ -530,13 +540,21 @@ def _load_scaled(g: GgufFile, name: str) -> torch.Tensor:
     return t
 
 
-def _streamable(item: _Item) -> bool:
-    """One GGUF tensor, no undo step, no NVFP4 scale, too large to hold dequantized in one piece."""
+def _as_stored(item: _Item) -> bool:
+    """One GGUF tensor taken as it is: no undo step, no NVFP4 scale."""
     if len(item.parts) != 1 or item.parts[0][2]:
         return False
     g, name, _ = item.parts[0]
+    return name[: -len(".weight")] + ".scale" not in g.tensors
+
+
+def load_tensor(g: GgufFile, name: str, dtype: torch.dtype) -> torch.Tensor | ChunkedTensor:
+    """A tensor dequantized and cast to `dtype`; one too large to hold in float32 in one piece
+    (over STREAM_ABOVE_BYTES, 2-D or more) as row blocks read when the writer asks for them."""
     t = g.tensors[name]
-    return len(t.shape) >= 2 and name[: -len(".weight")] + ".scale" not in g.tensors and 4 * math.prod(t.shape) > STREAM_ABOVE_BYTES
+    if len(t.shape) >= 2 and 4 * math.prod(t.shape) > STREAM_ABOVE_BYTES:
+        return _row_blocks(g, name, dtype)
+    return g.load(name).to(dtype).contiguous()
 
 
 def _row_blocks(g: GgufFile, name: str, dtype: torch.dtype) -> ChunkedTensor:
@@ -553,8 +571,8 @@ def _row_blocks(g: GgufFile, name: str, dtype: torch.dtype) -> ChunkedTensor:
 
 def _stream(plan: _Plan, cfg, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | ChunkedTensor]]:
     for item in plan.items:
-        if _streamable(item):
-            yield item.name, _row_blocks(item.parts[0][0], item.parts[0][1], dtype)
+        if _as_stored(item):
+            yield item.name, load_tensor(item.parts[0][0], item.parts[0][1], dtype)
             continue
         parts = [_undo(_load_scaled(g, n), undo, cfg) for g, n, undo in item.parts]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=item.join_dim)

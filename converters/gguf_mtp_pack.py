@@ -14,8 +14,6 @@ Layout: `PACK_FORMATS` (pack architecture -> `PackFormat`), `is_mtp_pack` / `is_
 
 from __future__ import annotations
 
-import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -30,7 +28,6 @@ from freetoken.converters.gguf_quants import QUANT_TYPES, type_name
 from freetoken.errors import CheckpointError, FreetokenError, UnsupportedModelError
 
 PREFIX = "mtp."
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -86,14 +83,10 @@ class MtpPack:
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | ChunkedTensor]]:
         """The pack's tensors, dequantized and cast to `dtype`; the large ones in row blocks."""
-        from freetoken.converters import gguf
+        from freetoken.converters.gguf import load_tensor
 
-        g = self.file
-        for name, t in g.tensors.items():
-            if len(t.shape) >= 2 and 4 * math.prod(t.shape) > gguf.STREAM_ABOVE_BYTES:
-                yield name, gguf._row_blocks(g, name, dtype)
-            else:
-                yield name, g.load(name).to(dtype).contiguous()
+        for name in self.file.tensors:
+            yield name, load_tensor(self.file, name, dtype)
 
     def attach(
         self, tensors: Iterable[tuple[str, Any]], draft_heads: dict[str, dict], provenance: Provenance, dtype: torch.dtype,
@@ -112,6 +105,7 @@ def read_mtp_pack(g, family: str, cfg: Any) -> MtpPack:
     one-line CheckpointError / UnsupportedModelError naming the pack. No weight is read here.
     """
     from freetoken.models.registry import weight_rules
+    from freetoken.models.weight_rules import mtp_layer_count
 
     path = g.path
     fmt = PACK_FORMATS.get(g.arch)
@@ -129,8 +123,7 @@ def read_mtp_pack(g, family: str, cfg: Any) -> MtpPack:
         block = QUANT_TYPES[t.type_id].block_size
         if t.shape[-1] % block:
             raise CheckpointError(f"tensor {name}: input width {t.shape[-1]} is not whole {kind} blocks of {block}", path)
-    layers = {int(m[1]) for n in g.tensors if (m := _MTP_LAYER.match(n))}
-    cfg = replace(cfg, mtp_num_hidden_layers=max(layers) + 1 if layers else 1)
+    cfg = replace(cfg, mtp_num_hidden_layers=mtp_layer_count(g.tensors) or 1)
     want = {n: s for n, s in weight_rules(family).expected_tensors(cfg, with_mtp=True).items() if n.startswith(PREFIX)}
     unknown = sorted(set(g.tensors) - set(want))
     if unknown:

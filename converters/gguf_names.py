@@ -10,8 +10,8 @@ Layout:
   (`mtp.layers.{N - n_layer}.`); the MTP block's own tensors -> `mtp.*`).
 - `Q4_GLOBAL`, `Q4_BLOCK`, `Q4_NEXTN`: `qwen4exp` (hyper-connections, QSA indexer, PLE; learnt
   from llama.cpp's `conversion/qwen4exp.py` and the fixture file's own names).
-- `NameTable`, `TABLES` (architecture -> table), `resolve(gguf_name, n_layer, table, ple_layer)`
-  -> (canonical name(s), undo) or None.
+- `NameTable` (`QWEN35`, `QWEN4EXP`: which architecture uses which is gguf.ARCHITECTURES),
+  `resolve(gguf_name, n_layer, table, ple_layer)` -> (canonical name(s), undo) or None.
 
 `undo` names the inverse transforms in the order they are applied:
 `norm-1` (zero-centred RMSNorm stored as 1 + w), `vrows:<w>:<offset>` (tiled -> grouped V-head
@@ -149,7 +149,6 @@ Q4_NEXTN: dict[str, GgufName] = {
 
 QWEN35 = NameTable(GLOBAL, BLOCK, NEXTN)
 QWEN4EXP = NameTable(Q4_GLOBAL, Q4_BLOCK, Q4_NEXTN)
-TABLES: dict[str, NameTable] = {"qwen35": QWEN35, "qwen35moe": QWEN35, "qwen4exp": QWEN4EXP}
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from freetoken.converters.gguf import GgufFile, meta_float
+from freetoken.converters.gguf import GgufFile, hybrid_fields, meta_float
 from freetoken.converters.gguf_tokenizer import eos_token_ids
 from freetoken.errors import CheckpointError, UnsupportedModelError
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
@@ -39,6 +39,7 @@ from freetoken.models.qwen4_exp.weights import (
     SPLITMIX_GAMMA,
     SPLITMIX_M1,
     SPLITMIX_M2,
+    is_prime,
     multiplier_half_bound,
     ngram_head_offsets,
     ngram_head_vocab_sizes,
@@ -105,7 +106,7 @@ def recover_seed(multipliers: list[int], vocab_size: int, ple_index: int) -> int
 def roundest_base(first_prime: int) -> int:
     """The integer in (previous prime, first_prime] with the most trailing decimal zeros (the smallest on ties)."""
     low = first_prime - 1
-    while low > 1 and not _prime(low):
+    while low > 1 and not is_prime(low):
         low -= 1
     return max(range(low + 1, first_prime + 1), key=lambda n: (_trailing_zeros(n), -n))
 
@@ -115,10 +116,6 @@ def _trailing_zeros(n: int) -> int:
     while n and n % 10 == 0:
         n, zeros = n // 10, zeros + 1
     return zeros
-
-
-def _prime(n: int) -> bool:
-    return n >= 2 and all(n % d for d in range(2, int(n**0.5) + 1))
 
 
 def row_divisor(rows: int, used: int, default: int) -> int | None:
@@ -220,34 +217,16 @@ def qwen4exp_config(g: GgufFile, *, tied: bool) -> Qwen4ExpConfig:
     """Qwen4ExpConfig from the metadata of a qwen4exp GGUF (trunk depth excludes nextn); the PLE
     hash constants are checked against the rebuilt config."""
     try:
-        n_layer = g.n_layer
-        recurrent = g.key("attention.recurrent_layers")
-        if recurrent:
-            layer_types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layer]]
-        else:
-            interval = int(g.key("full_attention_interval", 4))
-            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layer)]
-        head_dim = int(g.key("attention.key_length"))
-        nv = int(g.key("ssm.time_step_rank"))
-        vocab_size = len(g.meta["tokenizer.ggml.tokens"])
+        trunk = hybrid_fields(g)
+        layer_types, head_dim, vocab_size = list(trunk["layer_types"]), trunk["head_dim"], trunk["vocab_size"]
         eos = list(eos_token_ids(g.meta))
         ple_eos = g.key("ple.eos_token_id")
         if ple_eos is not None:
             eos = [int(ple_eos)] + [e for e in eos if e != int(ple_eos)]  # PLE's eos first, as HF reads it
         text = {
             "model_type": "qwen4_exp_text",
-            "vocab_size": vocab_size,
-            "hidden_size": int(g.key("embedding_length")),
-            "num_hidden_layers": n_layer,
+            **trunk,
             "layer_types": layer_types,
-            "num_attention_heads": int(g.key("attention.head_count")),
-            "num_key_value_heads": int(g.key("attention.head_count_kv")),
-            "head_dim": head_dim,
-            "linear_num_key_heads": int(g.key("ssm.group_count")),
-            "linear_num_value_heads": nv,
-            "linear_key_head_dim": int(g.key("ssm.state_size")),
-            "linear_value_head_dim": int(g.key("ssm.inner_size")) // nv,
-            "linear_conv_kernel_dim": int(g.key("ssm.conv_kernel", 4)),
             "num_experts": int(g.key("expert_count")),
             "num_experts_per_tok": int(g.key("expert_used_count")),
             "moe_intermediate_size": int(g.key("expert_feed_forward_length")),

@@ -35,11 +35,10 @@ from freetoken.checkpoint.writer import SAFETENSORS_DTYPES
 from freetoken.converters.detect import resolve_source
 from freetoken.errors import CheckpointError, OutputExistsError, UnsupportedModelError
 from freetoken.models.registry import FAMILIES, family_config_class, family_for_model_type, hf_model_type, weight_rules
-from freetoken.models.weight_rules import WeightRules, fuse_group, per_expert_key
+from freetoken.models.weight_rules import WeightRules, fuse_group, mtp_layer_count, per_expert_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 INDEX_FILE = "model.safetensors.index.json"
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _SHARD_INDEX = re.compile(r"\.shard_\d+\.")
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -300,9 +299,7 @@ def read_hf(src: str | Path, *, text_only: bool = False) -> HFSource:
     _check_buffers(plan, rules, cfg)
     if plan.buffers:
         transforms.append(f"constants recomputed from the config, checked equal and dropped: {', '.join(sorted(plan.buffers))}")
-    mtp_layers = {int(m[1]) for n in plan.shapes if (m := _MTP_LAYER.match(n))}
-    has_mtp = any(n.startswith("mtp.") for n in plan.shapes)
-    cfg = replace(cfg, mtp_num_hidden_layers=(max(mtp_layers) + 1 if mtp_layers else 1) if has_mtp else 0)
+    cfg = replace(cfg, mtp_num_hidden_layers=mtp_layer_count(plan.shapes))
     cfg = _tie(plan, cfg, transforms)
     _validate(plan, cfg, rules, root)
 

@@ -8,18 +8,20 @@ are constants recomputed from the config (checked, then dropped).
 
 Also here, because every family with Hugging Face MoE blocks shares it: the per-expert layout
 that `save_pretrained` writes (`...mlp.experts.{e}.{gate,up,down}_proj.weight`) and its fusion
-into `experts.gate_up_proj [E, 2I, H]` (gate rows first) and `experts.down_proj [E, H, I]`.
+into `experts.gate_up_proj [E, 2I, H]` (gate rows first) and `experts.down_proj [E, H, I]`; and
+how many MTP layers a set of canonical names holds (`mtp_layer_count`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from freetoken.errors import CheckpointError
 
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_KINDS = ("gate_proj", "up_proj", "down_proj")
 
@@ -68,3 +70,13 @@ def fuse_group(prefix: str, group: dict, num_experts: int) -> dict:
     gate_up = torch.stack([torch.cat([group[(e, "gate_proj")], group[(e, "up_proj")]], dim=0) for e in range(num_experts)])
     down = torch.stack([group[(e, "down_proj")] for e in range(num_experts)])
     return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}  # [E, 2I, H], [E, H, I]
+
+
+def mtp_layer_count(names: Iterable[str]) -> int:
+    """MTP layers among canonical `names`: the highest i of `mtp.layers.{i}.*` plus one, 1 when the
+    `mtp.*` names carry no layer, 0 without any `mtp.*` name."""
+    names = list(names)
+    layers = [int(m[1]) for n in names if (m := _MTP_LAYER.match(n))]
+    if layers:
+        return max(layers) + 1
+    return int(any(n.startswith("mtp.") for n in names))

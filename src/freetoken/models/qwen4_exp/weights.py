@@ -68,7 +68,8 @@ def ngram_layer_multipliers(cfg: Qwen4ExpConfig, ple_index: int) -> list[int]:
     return [2 * (splitmix64((base_seed + SPLITMIX_GAMMA * (s + 1)) & _MASK64) % half) + 1 for s in range(cfg.ngram_size)]
 
 
-def _is_prime(n: int) -> bool:
+def is_prime(n: int) -> bool:
+    """Trial division (the n-gram head sizes are primes near ngram_vocab_size_base)."""
     if n < 2:
         return False
     if n % 2 == 0:
@@ -84,7 +85,7 @@ def ngram_head_vocab_sizes(cfg: Qwen4ExpConfig, ple_index: int) -> list[int]:
     primes, candidate = [], cfg.ngram_vocab_size_base - 1
     for g in range(first + heads):
         candidate += 1
-        while not _is_prime(candidate):
+        while not is_prime(candidate):
             candidate += 1
         if g >= first:
             primes.append(candidate)
