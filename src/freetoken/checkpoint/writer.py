@@ -64,6 +64,11 @@ def _nbytes(t: torch.Tensor | ChunkedTensor) -> int:
     return t.nbytes if isinstance(t, ChunkedTensor) else t.numel() * t.element_size()
 
 
+def _write_tensor(f, t: torch.Tensor) -> None:
+    """t's bytes, row-major, appended to the open file f (a copy to the CPU if needed)."""
+    f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
 def _write_chunks(f, name: str, t: ChunkedTensor) -> None:
     rows = 0
     for chunk in t.chunks():
@@ -72,7 +77,7 @@ def _write_chunks(f, name: str, t: ChunkedTensor) -> None:
         rows += chunk.shape[0]
         if rows > t.shape[0]:
             break
-        f.write(chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        _write_tensor(f, chunk)
     if rows != t.shape[0]:
         raise CheckpointError(f"tensor {name!r}: its pieces hold {rows} rows, expected {t.shape[0]}")
 
@@ -102,7 +107,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor | Chunke
             if isinstance(t, ChunkedTensor):
                 _write_chunks(f, name, t)
             else:
-                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                _write_tensor(f, t)
         f.flush()
         os.fsync(f.fileno())
 
