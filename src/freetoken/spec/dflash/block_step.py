@@ -76,12 +76,15 @@ class BlockStep:
         out = self.draft(self.embed(ids.view(-1)).view(bb, self.block_size, -1), positions, keys, values, ctx_positions, valid)
         return out[:, 1 : 1 + self.k]
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [b, k, H] -> [b, k, V] fp32
+        """The target's logits of the drafted slots' hidden states."""
+        return self.compute_logits(hidden.flatten(0, 1)).view(*hidden.shape[:2], -1)
+
     def greedy_drafts(self, inputs: dict[str, torch.Tensor], n: int) -> torch.Tensor:  # -> [bb, k] int64
         """Greedy drafts of every block: each slot's argmax (DFlash) or the candidate selector's greedy
         walk from the anchor (DFlash2). Device work alone."""
         hidden = self.hidden(inputs, n)
-        bb = hidden.shape[0]
-        logits = self.compute_logits(hidden.flatten(0, 1)).view(bb, self.k, -1)  # [bb, k, V] fp32
+        logits = self.logits(hidden)
         selector = self.draft.candidate_selector
         if selector is not None:
             return selector.greedy_walk(hidden, logits, inputs["anchors"])

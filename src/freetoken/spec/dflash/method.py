@@ -40,6 +40,11 @@ from freetoken.spec.dflash.context_pool import ContextPool
 from freetoken.spec.dflash.draft_graph import DraftGraphs
 
 
+def rows_held(request: Request) -> int:
+    """Context rows the request's draft slot holds (0 before its first observed row)."""
+    return 0 if request.draft_state is None else request.draft_state.num_rows
+
+
 class DFlashMethod:
     def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
                  cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
@@ -52,7 +57,6 @@ class DFlashMethod:
         if not 1 <= num_draft_tokens <= block_size - 1:
             raise FreetokenError(f"--spec dflash drafts 1 to {block_size - 1} tokens a step (its block holds {block_size}), not {num_draft_tokens}", origin)
         self.draft, self.device = draft, device
-        self.compute_logits = model.compute_logits
         self.num_draft_tokens = num_draft_tokens
         self.target_layers: tuple[int, ...] = tuple(draft.config.target_layer_ids)
         cfg = draft.config
@@ -71,8 +75,7 @@ class DFlashMethod:
         index = np.empty((2, sum(counts)), dtype=np.int64)  # positions, slots
         states, end = [], 0
         for r, m in zip(rows, counts):
-            state = r.request.draft_state
-            held = 0 if state is None else state.num_rows
+            state, held = r.request.draft_state, rows_held(r.request)
             if r.first_position != held:
                 raise RuntimeError(f"request {r.request.request_id}: committed rows start at {r.first_position}, its DFlash context holds {held}")
             if held + m > self.pool.max_ctx:
@@ -96,11 +99,10 @@ class DFlashMethod:
         starts = [r.num_cached_tokens for r in requests]
         slots = []
         for r, start in zip(requests, starts):
-            state = r.draft_state
-            held = 0 if state is None else state.num_rows
+            held = rows_held(r)
             if held != start:
                 raise RuntimeError(f"request {r.request_id}: its DFlash context holds {held} rows, its anchor is at {start}")
-            slots.append(0 if state is None else state.slot)  # no context yet: any slot, none of its rows is read
+            slots.append(0 if r.draft_state is None else r.draft_state.slot)  # no context yet: any slot, none of its rows is read
         size = batch_bucket(len(requests))
         inputs = self.inputs.get(size)
         if inputs is None:
@@ -116,7 +118,7 @@ class DFlashMethod:
             drafts = self.graphs.run(inputs, n) if self.graphs is not None else self.step.greedy_drafts(inputs.on_device, n)
             return Proposal(drafts[:b].cpu(), None)
         hidden = self.step.hidden(inputs.on_device, n)[:b]  # [b, k, H]
-        logits = self.compute_logits(hidden.flatten(0, 1)).view(b, k, -1)  # [b, k, V] fp32
+        logits = self.step.logits(hidden)  # [b, k, V] fp32
         if self.draft.candidate_selector is not None:
             return self._select(requests, hidden, logits, inputs.on_device["anchors"][:b])
         params = [r.params for r in requests]
