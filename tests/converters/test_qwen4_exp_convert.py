@@ -62,12 +62,6 @@ def _expected_unified() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def hf_unified(fixture_unified) -> Path:
-    """The HF fixture converted once per session (tests/conftest.py)."""
-    return fixture_unified("qwen4_exp")
-
-
-@pytest.fixture(scope="module")
 def gguf_unified(tmp_path_factory) -> Path:
     dst = tmp_path_factory.mktemp("q4gguf") / "unified"
     convert(GGUF, dst)

@@ -93,12 +93,6 @@ def make_pack(path: Path, experts: str = "BF16", *, arch: str = "qwen4exp-mtp", 
 
 
 @pytest.fixture(scope="module")
-def hf_unified(fixture_unified) -> Path:
-    """The HF fixture converted once per session (tests/conftest.py)."""
-    return fixture_unified("qwen4_exp")
-
-
-@pytest.fixture(scope="module")
 def bf16_pack(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("pack") / "mtp-bf16.gguf"
     make_pack(path)
