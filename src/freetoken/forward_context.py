@@ -86,5 +86,6 @@ class ForwardContext:
     seqs: list[SeqRows]
     kv: KVCache
     linear_state: LinearState | None
-    stash: dict[int, GDNStash] = field(default_factory=dict)  # linear layer ordinal -> stash (VERIFY only)
-    state_stash: dict[str, Any] = field(default_factory=dict)  # a model's own verify rows of its extra states, for its commit (VERIFY only)
+    # VERIFY only: the rows each stateful layer keeps for its commit, keyed by the layer (a GDN layer by
+    # its linear ordinal -> GDNStash; another layer by its own name, e.g. qwen4_exp's "ple.0" -> its gvn rows)
+    stash: dict[int | str, Any] = field(default_factory=dict)

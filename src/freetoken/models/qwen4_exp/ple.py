@@ -159,12 +159,12 @@ class PLELayer(nn.Module):
         gvn = self.norm_conv(gv)
         verify = ctx.mode is ForwardMode.VERIFY
         if verify:
-            ctx.state_stash[f"ple.{self.ple_index}"] = gvn
+            ctx.stash[f"ple.{self.ple_index}"] = gvn
         return gv + self._conv(gvn, conv_pool, batch, write_state=not verify)
 
     def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
         """Append each sequence's accepted verify rows (replay: the verify layout cut to them) to its windows."""
-        gvn = ctx.state_stash[f"ple.{self.ple_index}"]
+        gvn = ctx.stash[f"ple.{self.ple_index}"]
         ids_pool, conv_pool = self._windows(ctx)
         for i in range(replay.num_seqs):
             rows, slot = replay.rows(i), replay.state_slots[i]
