@@ -270,33 +270,36 @@ def moe_add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: tor
     return (s, h, *moe_route(logits[:, :-1], top_k, x.dtype, with_shared, first, count)[:2], logits[:, -1:], None)
 
 
-def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None, blocks: RowBlocks | None = None) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, first: int = 0, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None, blocks: RowBlocks | None = None, slot_of: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: x [N, H], experts/weights [N, top_k], gate_up [C, 2I, H], down [C, H, I] -> fp32 [N, H];
     given the shared expert's output [N, H] and gate logit [N, 1], the block output
     acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype. blocks: moe_route's (a Triton layout;
-    the result does not depend on it)."""
+    the result does not depend on it). slot_of [E] (first 0): expert id -> its row of gate_up / down,
+    for weights held in cache slots; every routed expert must have one; each row gets the same bits."""
     if use_triton(x):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate, blocks)
+        return moe_triton.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate, blocks, slot_of)
     from freetoken.kernels import moe_ref
 
-    return moe_ref.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate)
+    return moe_ref.moe_experts(x, experts, weights, gate_up, down, first, shared, shared_gate, slot_of)
 
 
-def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, blocks: RowBlocks | None = None, defer_combine: bool = False) -> "torch.Tensor | PendingCombine":
+def moe_experts_with_shared(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, shared_gate: torch.Tensor, blocks: RowBlocks | None = None, defer_combine: bool = False, slot_of: torch.Tensor | None = None) -> "torch.Tensor | PendingCombine":
     """The block output with the shared expert held as expert E: x [N, H], experts [N, top_k + 1] (column
     top_k = E), weights [N, top_k], gate_up [E + 1, 2I, H], down [E + 1, H, I], shared_gate [N, 1] ->
     acc.to(x.dtype) + sigmoid(shared_gate) * shared in x.dtype, acc over the top_k routed experts.
     blocks: moe_route's (a Triton layout; the result does not depend on it). defer_combine: on the
-    Triton path at decode sizes the result may be a PendingCombine, which only `add_zc_rms_norm` takes."""
+    Triton path at decode sizes the result may be a PendingCombine, which only `add_zc_rms_norm` takes.
+    slot_of [E + 1]: expert id -> its row of gate_up / down (an expert cache's slots, slot_of[E] the
+    last row); every routed expert must have one; each row gets the same bits."""
     if use_triton(x):
         from freetoken.kernels import moe_triton
 
-        return moe_triton.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks, defer_combine)
+        return moe_triton.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, blocks, defer_combine, slot_of)
     from freetoken.kernels import moe_ref
 
-    return moe_ref.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate)
+    return moe_ref.moe_experts_with_shared(x, experts, weights, gate_up, down, shared_gate, slot_of)
 
 
 __all__ = [

@@ -91,6 +91,14 @@ COMBINE_IN_DOWN_MAX_TOKENS = 64
 COMBINE_IN_NEXT_NORM = True
 
 
+@triton.jit
+def _weight_row(e, slot_ptr, SLOTTED: tl.constexpr):
+    """The row of the weights that holds expert e: e itself, or (SLOTTED) its slot."""
+    if SLOTTED:
+        return tl.load(slot_ptr + e).to(tl.int64)
+    return e.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -99,9 +107,10 @@ def _gate_up_kernel(
     # routing here (ROUTE_HERE, `GemmRoute`): the router logits, and the routing this launch writes
     logits_ptr, experts_ptr, weights_ptr, stride_l, E,
     ready_ptr,  # ROW_READY: a counter per routed row, raised once per stored tile
+    slot_ptr,  # SLOTTED: [C] int32, expert id -> its row of the weights
     ROW_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     ROUTE_HERE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr,
-    REP: tl.constexpr, PDL: tl.constexpr,
+    REP: tl.constexpr, SLOTTED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     pid_m = tl.program_id(0)
@@ -119,7 +128,7 @@ def _gate_up_kernel(
     tokens = (ids // ROW_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    w = w_ptr + e.to(tl.int64) * stride_we
+    w = w_ptr + _weight_row(e, slot_ptr, SLOTTED) * stride_we
     # Transposed tiles [BLOCK_N, BLOCK_M]: the weight tile is the dot's left operand (wgmma on sm_90).
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -160,10 +169,11 @@ def _down_kernel(
     N, first, stride_sm, stride_gm, stride_ym,
     logits_ptr, stride_l, E,  # routing here (ROUTE_HERE, `GemmRoute`)
     ready_ptr, up_tiles,  # ROW_READY: wait for row pid_m's counter to reach gate_up's feature tiles (mod PERIOD)
+    slot_ptr,  # SLOTTED: [C] int32, expert id -> its row of the weights
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     COMBINE: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, ROW_K: tl.constexpr, BLOCK_TOK: tl.constexpr, SHARED: tl.constexpr,
     ROUTE_HERE: tl.constexpr, BLOCK_E: tl.constexpr, ROW_READY: tl.constexpr, PERIOD: tl.constexpr,
-    WEIGHTED_BY_ID: tl.constexpr, REP: tl.constexpr, PDL: tl.constexpr,
+    WEIGHTED_BY_ID: tl.constexpr, REP: tl.constexpr, SLOTTED: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -196,7 +206,7 @@ def _down_kernel(
     if e < C:
         valid = ids < T
         ks = tl.arange(0, BLOCK_K)
-        w = w_ptr + e.to(tl.int64) * stride_we
+        w = w_ptr + _weight_row(e, slot_ptr, SLOTTED) * stride_we
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + ks
@@ -336,13 +346,15 @@ def _expert_rows(
     out: torch.Tensor,  # [N * R, H] x.dtype: flat row t = token * R + column through its expert (rows of other ranks' experts unwritten)
     combine: _Combine,
     defer: bool = False,
+    slot_of: torch.Tensor | None = None,  # [count] int32 contiguous: expert id -> its row of gate_up / down; None: the id
 ) -> bool:  # whether down stored the rows weighted, in expert order (WEIGHTED_BY_ID: deferred, routed here)
     """The row blocks (direct or align launch) unless given, gate_up, down and the combine: in the down
     launch up to COMBINE_IN_DOWN_MAX_TOKENS tokens (its last program per feature tile), else its own
     launch; none when `defer` (the caller's next launch combines, moe_exit_triton). Either way each
     (token, feature) of y gets the same bits (`_combine_tile`)."""
     n, hidden = x.shape
-    count, two_i, _ = gate_up.shape
+    two_i = gate_up.shape[1]
+    count = combine.count  # the experts held: gate_up's rows, or slot_of's ids
     experts, first = combine.experts, combine.first
     row_k = experts.shape[1]
     inter = two_i // 2
@@ -352,6 +364,8 @@ def _expert_rows(
     assert blocks[2:] == (rows, first, count), f"row blocks for (rows, first, count) = {tuple(blocks[2:])}, not {(rows, first, count)}"
     ptrs, sizes, strides, meta = combine.launch_args()
     route_here = isinstance(blocks, GemmRoute)
+    assert slot_of is None or not route_here, "slotted weights need the routing before the GEMMs"
+    slotted = dict(SLOTTED=slot_of is not None)
     if route_here:
         assert is_direct(rows) and first == 0 and count == blocks.num_experts + 1 and row_k == meta["TOP_K"] + 1, "GemmRoute: direct, stacked, all experts"
         nb, logits, num_experts = rows, blocks.logits, blocks.num_experts
@@ -365,15 +379,16 @@ def _expert_rows(
     feature_tiles = triton.cdiv(hidden, DOWN_BLOCK_N)
     period = triton.next_power_of_2(up_tiles + feature_tiles)
     ready = row_ready_counters(x.device, period) if row_ready else logits  # an unread stand-in without
+    slots = logits if slot_of is None else slot_of  # an unread stand-in without
     fp32 = x.dtype == torch.float32
     hidden_rows = torch.empty((nb * moe_route_triton.BLOCK_M, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, up_tiles)](
         x, gate_up, hidden_rows, sorted_ids, block_expert,
         rows, hidden, inter, count,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_rows.stride(0),
-        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready,
+        logits, combine.experts, combine.weights, logits.stride(0), num_experts, ready, slots,
         ROW_K=row_k, BLOCK_M=moe_route_triton.BLOCK_M, BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else GATE_UP_BLOCK_K, DOT_F32=INTERPRET,
-        **routing, ROW_READY=row_ready, REP=GATE_UP_WARPS if ROUTE_PER_WARP else 1,
+        **routing, ROW_READY=row_ready, REP=GATE_UP_WARPS if ROUTE_PER_WARP else 1, **slotted,
         num_warps=GATE_UP_WARPS, num_stages=GATE_UP_STAGES, **pdl.launch_kwargs(),
     )
     in_down = n <= COMBINE_IN_DOWN_MAX_TOKENS and not defer
@@ -383,10 +398,10 @@ def _expert_rows(
         hidden_rows, down, out, sorted_ids, block_expert,
         rows, hidden, inter, count,
         hidden_rows.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles,
+        *ptrs, counters, n, first, *strides, logits, logits.stride(0), num_experts, ready, up_tiles, slots,
         BLOCK_M=moe_route_triton.BLOCK_M, BLOCK_N=DOWN_BLOCK_N, BLOCK_K=FP32_BLOCK_K if fp32 else DOWN_BLOCK_K, DOT_F32=INTERPRET,
         COMBINE=in_down, BLOCK_TOK=BLOCK_TOK, **meta, ROUTE_HERE=route_here, BLOCK_E=routing["BLOCK_E"], ROW_READY=row_ready,
-        PERIOD=period, WEIGHTED_BY_ID=weighted_by_id, REP=DOWN_WARPS if ROUTE_PER_WARP else 1,
+        PERIOD=period, WEIGHTED_BY_ID=weighted_by_id, REP=DOWN_WARPS if ROUTE_PER_WARP else 1, **slotted,
         num_warps=DOWN_WARPS, num_stages=DOWN_STAGES, **pdl.launch_kwargs(),
     )
     if not in_down and not defer:
@@ -407,8 +422,11 @@ def moe_experts(
     shared: torch.Tensor | None = None,  # [N, H] shared expert output, x.dtype
     shared_gate: torch.Tensor | None = None,  # [N, 1] shared expert gate logit, x.dtype
     blocks: RowBlocks | None = None,  # these experts' row blocks (route's); None: made here
+    slot_of: torch.Tensor | None = None,  # [C] int: expert id (first = 0) -> its row of gate_up / down, every routed id held
 ) -> torch.Tensor:  # [N, H]: fp32 sum over the held experts of weight * expert(x); x.dtype block output with shared
-    """Routed experts; given `shared` and `shared_gate`, acc.to(x.dtype) + sigmoid(shared_gate) * shared."""
+    """Routed experts; given `shared` and `shared_gate`, acc.to(x.dtype) + sigmoid(shared_gate) * shared.
+    slot_of: the weights hold the experts in slots (an expert cache); the rows, their blocks and the
+    combine are those of the experts [0, C) by id, so every row gets the bits of the unslotted call."""
     assert x.dtype == gate_up.dtype == down.dtype, f"moe_experts: x {x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}"
     with_shared = shared is not None
     y = torch.empty(x.shape, dtype=x.dtype if with_shared else torch.float32, device=x.device)
@@ -419,9 +437,15 @@ def moe_experts(
     if with_shared:
         shared = shared if shared.stride(1) == 1 else shared.contiguous()
     out = torch.empty((experts.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, first, gate_up.shape[0])
-    _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine)
+    assert slot_of is None or first == 0, "slotted experts are ids [0, C)"
+    count = gate_up.shape[0] if slot_of is None else slot_of.numel()
+    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, first, count)
+    _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, slot_of=_slots(slot_of))
     return y
+
+
+def _slots(slot_of: torch.Tensor | None) -> torch.Tensor | None:
+    return None if slot_of is None else slot_of.to(torch.int32).contiguous()
 
 
 def moe_experts_with_shared(
@@ -433,6 +457,7 @@ def moe_experts_with_shared(
     shared_gate: torch.Tensor,  # [N, 1] shared expert gate logit, x.dtype
     blocks: RowBlocks | None = None,  # these experts' row blocks (route's); None: made here
     defer_combine: bool = False,
+    slot_of: torch.Tensor | None = None,  # [E + 1] int: expert id -> its row of gate_up / down, every routed id held; None: the id
 ) -> torch.Tensor | PendingCombine:  # [N, H] x.dtype
     """The block output acc.to(x.dtype) + sigmoid(shared_gate) * shared, the shared expert run as expert E
     of the grouped GEMMs (its row of `out` is `shared`); acc sums the top_k routed experts only.
@@ -450,6 +475,7 @@ def moe_experts_with_shared(
     shared = out.view(n, row_k, hidden)[:, row_k - 1]  # [N, H], row stride row_k * H
     defer = defer_combine and COMBINE_IN_NEXT_NORM and n <= COMBINE_IN_DOWN_MAX_TOKENS
     y = shared if defer else torch.empty((n, hidden), dtype=x.dtype, device=x.device)  # deferred: no combine writes y (an unread stand-in)
-    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, gate_up.shape[0])
-    weighted_by_id = _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer)
+    count = gate_up.shape[0] if slot_of is None else slot_of.numel()
+    combine = _Combine(experts, weights.contiguous(), shared, shared_gate, y, 0, count)
+    weighted_by_id = _expert_rows(x, gate_up.contiguous(), down.contiguous(), blocks, out, combine, defer, _slots(slot_of))
     return PendingCombine(out, experts, combine.weights, shared_gate, weighted_by_id) if defer else y
