@@ -108,6 +108,7 @@ class LLM:
         self.model = load_model(
             self.checkpoint, self.checkpoint.family, self.checkpoint.config, with_mtp=wants_mtp,
             device=self.config.device, dtype=self.config.torch_dtype, origin=str(self.path), parallel=self.parallel,
+            expert_offload=self.config.expert_offload,
         )
         if wants_dflash:
             from freetoken.spec.dflash.loader import load_draft

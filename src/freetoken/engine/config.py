@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from freetoken.layers.offload_config import ExpertOffloadConfig
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class EngineConfig:
     prefill_align: int = 64  # prompts are cut into prefill pieces at multiples of this (the chunked GDN rule's chunk)
     cuda_graphs: bool = True  # replay decode/verify forwards as CUDA graphs where supported (dense, CUDA, Triton)
     overlap: bool = True  # greedy decode without drafts: launch step n+1 before reading step n's tokens back (engine.py)
+    expert_offload: ExpertOffloadConfig = field(default_factory=ExpertOffloadConfig)  # MoE experts off the device (eager path)
 
     def __post_init__(self):
         from freetoken.errors import FreetokenError

@@ -26,6 +26,10 @@ Across ranks the experts are split evenly (expert parallel): a rank runs the rou
 its own experts only (the others contribute zero), and the fp32 partial sums are added over ranks in
 rank order (experts grouped by rank, still a fixed order per token). The router is replicated; the
 shared expert is split like a dense MLP. An expert count the ranks do not divide is refused.
+
+With its routed experts offloaded (`offload`, layers/expert_offload.py: a device cache of expert slots,
+or a static GPU/CPU split) the block routes as above but without the fused entry, and hands the routing
+to the offload, which reads it on the host to place the experts and then runs the same expert kernels.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class SparseMoE(nn.Module):
         self.parallel = parallel
         self.gates_weight: torch.Tensor | None = None  # [E + 1, H] = [router | shared gate] once merged
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # gate_up [E + 1, 2I, H], down [E + 1, H, I] once merged
+        self.offload = None  # an OffloadedExperts when the routed experts live off the device (layers/expert_offload.py)
 
     def merge_projections(self) -> None:
         """Read the router and the shared-expert gate as one weight, and stack the shared expert after
@@ -74,8 +79,13 @@ class SparseMoE(nn.Module):
             from freetoken.layers.merge import merge_linears
 
             self.gates_weight = merge_linears([self.gate, self.shared_expert_gate])
-        if self.stacked is None and not self.parallel.is_parallel and self.shared_expert.down_proj.weight.shape[1] == self.experts.intermediate_size:
-            self.stacked = _stack_shared_expert(self.experts, self.shared_expert)
+        if self.stacked is None and self.stacks_shared_expert:
+            self.stacked = _stack_shared_expert(self.experts, self.shared_expert) if self.offload is None else self.offload.stack_shared(self.shared_expert)
+
+    @property
+    def stacks_shared_expert(self) -> bool:
+        """Whether merging stacks the shared expert after the routed ones (as wide, experts not split)."""
+        return not self.parallel.is_parallel and self.shared_expert.down_proj.weight.shape[1] == self.experts.intermediate_size
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, H] -> router [N, E], shared gate [N, 1]
         if self.gates_weight is not None and kernels.use_triton(x):
@@ -87,6 +97,8 @@ class SparseMoE(nn.Module):
         router, shared_gate = self._gates(x)
         stacked = self.stacked is not None and kernels.use_triton(x)
         routing = kernels.moe_route(router, self.top_k, x.dtype, **self._routed(stacked))
+        if self.offload is not None:
+            return self.offload(self, x, *routing, shared_gate, stacked)
         return self._experts(x, *routing, shared_gate, stacked)
 
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, defer_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +106,7 @@ class SparseMoE(nn.Module):
         norm, the gates and the routing are one launch (`kernels.moe_add_norm_route`); [N, H] each.
         defer_output: the block output may come back as a `PendingCombine` for the caller's next
         `kernels.add_zc_rms_norm`, which then combines it (stacked shared expert, decode sizes)."""
-        if self.gates_weight is None or not kernels.use_triton(residual) or not kernels.FUSE_MOE_ENTRY:
+        if self.offload is not None or self.gates_weight is None or not kernels.use_triton(residual) or not kernels.FUSE_MOE_ENTRY:
             residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
             return self(h), residual
         stacked = self.stacked is not None
@@ -122,13 +134,23 @@ class SparseMoE(nn.Module):
 def _stack_shared_expert(experts: FusedExperts, mlp: MLP) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [E + 1, 2I, H] (gate rows first) and down [E + 1, H, I]: the experts, then the MLP as
     expert E. The experts' and the MLP's parameters become views of them (names and shapes unchanged)."""
-    shared = mlp.gate_up_weight if mlp.gate_up_weight is not None else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-    gate_up = torch.cat([experts.gate_up_proj.detach(), shared.detach()[None]])
+    gate_up = torch.cat([experts.gate_up_proj.detach(), shared_gate_up(mlp).detach()[None]])
     down = torch.cat([experts.down_proj.detach(), mlp.down_proj.weight.detach()[None]])
-    count, inter = experts.count, experts.intermediate_size
+    count = experts.count
     view = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
     experts.gate_up_proj, experts.down_proj = view(gate_up[:count]), view(down[:count])
-    mlp.gate_proj.weight, mlp.up_proj.weight = view(gate_up[count, :inter]), view(gate_up[count, inter:])
-    mlp.down_proj.weight = view(down[count])
-    mlp.gate_up_weight = gate_up[count]
+    view_shared_mlp(mlp, gate_up[count], down[count])
     return gate_up, down
+
+
+def shared_gate_up(mlp: MLP) -> torch.Tensor:  # -> [2I, H], gate rows first
+    return mlp.gate_up_weight if mlp.gate_up_weight is not None else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def view_shared_mlp(mlp: MLP, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """Make the MLP's parameters views of gate_up [2I, H] (gate rows first) and down [H, I], which hold its weights."""
+    inter = gate_up.shape[0] // 2
+    view = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+    mlp.gate_proj.weight, mlp.up_proj.weight = view(gate_up[:inter]), view(gate_up[inter:])
+    mlp.down_proj.weight = view(down)
+    mlp.gate_up_weight = gate_up

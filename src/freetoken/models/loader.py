@@ -8,6 +8,9 @@ With a ParallelContext of N ranks the family builds rank r's shard (its `model` 
 `build(config, with_mtp, parallel)`), each parameter's module declares which slice it holds
 (`shard_specs`, distributed/sharding.py), and only that slice is read: `source.get_slice` on a
 memory-mapped checkpoint, never the whole tensor.
+
+With an ExpertOffloadConfig (cache or hybrid) the routed experts are dropped before the model is
+materialised and attached afterwards, off the device (models/expert_offload.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.distributed.sharding import read_shard, shard_spec_of
 from freetoken.errors import CheckpointError, UnsupportedModelError
+from freetoken.layers.offload_config import ExpertOffloadConfig
 from freetoken.models.registry import family_module
 
 
@@ -35,8 +39,10 @@ def _build(family: str, config: dict[str, Any], with_mtp: bool, parallel: Parall
     return module.build(config, with_mtp, parallel)
 
 
-def build_empty(family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str, dtype: torch.dtype, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
-    """The model (this rank's shard of it) with uninitialised parameters of `dtype` on `device`."""
+def build_empty(family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str, dtype: torch.dtype, parallel: ParallelContext = SINGLE,
+                prepare: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """The model (this rank's shard of it) with uninitialised parameters of `dtype` on `device`;
+    prepare(model) runs on the meta-device model first (it may drop parameters)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -44,18 +50,28 @@ def build_empty(family: str, config: dict[str, Any], *, with_mtp: bool, device: 
             model = _build(family, config, with_mtp, parallel)
     finally:
         torch.set_default_dtype(previous)
+    if prepare is not None:
+        prepare(model)
     return model.to_empty(device=device).eval()
 
 
 @torch.no_grad()
-def load_model(source: TensorSource, family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, origin: str | None = None, parallel: ParallelContext = SINGLE) -> torch.nn.Module:
-    model = build_empty(family, config, with_mtp=with_mtp, device=device, dtype=dtype, parallel=parallel)
+def load_model(source: TensorSource, family: str, config: dict[str, Any], *, with_mtp: bool, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, origin: str | None = None, parallel: ParallelContext = SINGLE,
+               expert_offload: ExpertOffloadConfig | None = None) -> torch.nn.Module:
+    offloader = None
+    if expert_offload is not None and expert_offload.enabled:
+        from freetoken.models.expert_offload import ExpertOffloader
+
+        offloader = ExpertOffloader(expert_offload, device, dtype, parallel.world_size)
+    model = build_empty(family, config, with_mtp=with_mtp, device=device, dtype=dtype, parallel=parallel, prepare=offloader and offloader.detach)
 
     def read(name: str) -> torch.Tensor:
         spec = shard_spec_of(model, name) if parallel.is_parallel else None
         return source.get(name) if spec is None else read_shard(source, name, spec)
 
     fill_parameters(model, read, origin=origin)
+    if offloader is not None:
+        offloader.attach(model, source)
     return model
 
 
