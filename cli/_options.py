@@ -18,6 +18,12 @@ class Spec(str, Enum):
     dflash = "dflash"
 
 
+class ExpertOffload(str, Enum):
+    none = "none"
+    cache = "cache"
+    hybrid = "hybrid"
+
+
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
@@ -35,3 +41,9 @@ BatchSizeOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Requests
 ThreadsOpt = Annotated[int, typer.Option("--threads", min=1, help="CPU threads for torch (1 is fastest for small models).")]
 TensorParallelOpt = Annotated[int, typer.Option("--tensor-parallel", min=1, help="Processes sharing the model (one per GPU; gloo on CPU, NCCL on CUDA). Only rank 0 writes.")]
 MemFractionOpt = Annotated[float, typer.Option("--mem-fraction", min=0.0, max=0.99, help="CUDA: share of free GPU memory for the KV pool (0 = size it for --batch-size requests of the longest length).")]
+ExpertOffloadOpt = Annotated[ExpertOffload, typer.Option("--expert-offload", help=(
+    "MoE routed experts: none (all on the device; CUDA graphs), cache (in host memory, a device cache of "
+    "--expert-cache-gb; outputs bit-identical to none) or hybrid (--gpu-experts per layer on the device, the rest "
+    "computed on the CPU; bits may differ from none on a GPU, spec decoding stays exact). Both offload modes run eagerly."))]
+ExpertCacheGbOpt = Annotated[Optional[float], typer.Option("--expert-cache-gb", help="--expert-offload cache: device memory for the expert slots of all MoE layers (GiB).", show_default=False)]
+GpuExpertsOpt = Annotated[Optional[str], typer.Option("--gpu-experts", help="--expert-offload hybrid: experts per layer kept on the device, a count (64) or a fraction (0.25, 25%); the first ones by id.", show_default=False)]

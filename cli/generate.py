@@ -15,7 +15,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from freetoken.cli._options import (
-    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, MaxNewTokensOpt, MemFractionOpt, ModelArg, PromptOpt, PromptsFileOpt, Spec, TensorParallelOpt, ThreadsOpt, console,
+    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, ExpertCacheGbOpt, ExpertOffload, ExpertOffloadOpt, GpuExpertsOpt, MaxNewTokensOpt, MemFractionOpt, ModelArg,
+    PromptOpt, PromptsFileOpt, Spec, TensorParallelOpt, ThreadsOpt, console,
 )
 
 # Measured on the embedded model (CPU: k=1 54.7 vs k=3 50.4 tokens/s; GPU batch 50: k=1 1437, k=2 900,
@@ -46,12 +47,17 @@ def generate(
     mem_fraction: MemFractionOpt = 0.0,
     stats_json: Annotated[Optional[Path], typer.Option("--stats-json", help="Write the run statistics (with command, commit, date) as JSON here.")] = None,
     tensor_parallel: TensorParallelOpt = 1,
+    expert_offload: ExpertOffloadOpt = ExpertOffload.none,
+    expert_cache_gb: ExpertCacheGbOpt = None,
+    gpu_experts: GpuExpertsOpt = None,
 ) -> None:
     """Generate completions for a batch of prompts."""
     from freetoken.cli.prompts import read_prompts
     from freetoken.engine.config import EngineConfig
+    from freetoken.layers.offload_config import ExpertOffloadConfig
     from freetoken.sampling import SamplingParams
 
+    offload = ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts)
     texts = read_prompts(prompt, prompts, default=DEFAULT_PROMPTS)
     k = {Spec.mtp: num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS, Spec.dflash: num_draft_tokens or 0}.get(spec, 0)  # dflash 0: the LLM takes block size - 1
     if spec is Spec.none and num_draft_tokens:
@@ -59,7 +65,7 @@ def generate(
 
         raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp or dflash)")
     config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, mem_fraction=mem_fraction, spec=spec.value, num_draft_tokens=k, seed=seed,
-                          max_model_len=8192, tensor_parallel=tensor_parallel)
+                          max_model_len=8192, tensor_parallel=tensor_parallel, expert_offload=offload)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     run_parallel(run_job, GenerateJob(model, texts, config, params, chat, out, stats_json, threads))
@@ -104,9 +110,13 @@ def run_job(parallel, job: GenerateJob) -> None:
 
     from freetoken.llm import LLM
 
+    from freetoken.models.expert_offload import describe_weight_memory
+
     torch.set_num_threads(job.threads)
     llm = LLM(job.model, job.config, parallel=parallel)
     lead = parallel.rank == 0
+    if lead:
+        console.print(describe_weight_memory(llm.model))
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True, disable=not lead) as bar:
         task = bar.add_task("generate", total=len(job.texts))
         completions, stats = llm.generate(job.texts, job.params, chat=job.chat, on_step=lambda done: bar.advance(task, len(done)))
@@ -127,9 +137,11 @@ def _write_stats(path: Path, stats, llm, config) -> None:
     import sys
 
     from freetoken.bench import environment
+    from freetoken.models.expert_offload import weight_memory
 
     record = {"command": "freetoken " + " ".join(sys.argv[1:]), **environment(), "model": str(llm.path),
-              "config": dataclasses.asdict(config), "stats": dataclasses.asdict(stats), "tokens_per_second": stats.tokens_per_second}
+              "config": dataclasses.asdict(config), "stats": dataclasses.asdict(stats), "tokens_per_second": stats.tokens_per_second,
+              "weight_memory": dataclasses.asdict(weight_memory(llm.model))}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
 
