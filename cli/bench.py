@@ -14,7 +14,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, MemFractionOpt, TensorParallelOpt, console
+from freetoken.cli._options import (
+    DeviceOpt, DType, DTypeOpt, ExpertCacheGbOpt, ExpertOffload, ExpertOffloadOpt, GpuExpertsOpt, MemFractionOpt, TensorParallelOpt, console,
+)
 
 
 def bench(
@@ -32,12 +34,16 @@ def bench(
     tensor_parallel: TensorParallelOpt = 1,
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Replay decode and verify steps as CUDA graphs (CUDA, Triton path).")] = True,
     mem_fraction: MemFractionOpt = 0.0,
+    expert_offload: ExpertOffloadOpt = ExpertOffload.none,
+    expert_cache_gb: ExpertCacheGbOpt = None,
+    gpu_experts: GpuExpertsOpt = None,
 ) -> None:
     """Benchmark decode on a checkpoint or a random-weight model of a real shape; reports the bandwidth floor."""
     from rich.table import Table
 
     from freetoken.bench import SHAPES, run_bench, write_results
     from freetoken.errors import FreetokenError
+    from freetoken.layers.offload_config import ExpertOffloadConfig
 
     if model is not None and shape is not None:
         raise FreetokenError("give MODEL or --shape, not both")
@@ -56,7 +62,8 @@ def bench(
     if spec != "none" and num_draft_tokens < 1:
         raise FreetokenError(f"--spec {spec} needs --num-draft-tokens >= 1")
     kwargs = dict(model=model, prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
-                  corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction)
+                  corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction,
+                  expert_offload=ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts))
     if tensor_parallel == 1:
         results = [r for b in batch_size for r in run_bench(shape, batch_size=b, **kwargs)]
     else:
@@ -75,6 +82,10 @@ def bench(
                       f"{r.speedup_vs_no_spec:.2f}x" if r.speedup_vs_no_spec else "-", f"{r.step_cost_vs_decode:.2f}x" if r.step_cost_vs_decode else "-",
                       f"{r.forward_ms:.2f}" if r.forward_ms else "-", f"{r.forward_cost_vs_decode:.2f}x" if r.forward_cost_vs_decode else "-")
     console.print(table)
+    first = results[0]
+    if first.resident_weight_bytes is not None:
+        console.print(f"weights: {first.resident_weight_bytes / 2**30:.2f} GiB resident on {device}, "
+                      f"{first.offloaded_weight_bytes / 2**30:.2f} GiB of experts in host memory (expert offload: {first.expert_offload})")
     path = out or Path("bench/results") / f"{label}-{spec}.json"
     write_results(path, "freetoken " + " ".join(sys.argv[1:]), results)
     console.print(f"wrote {path}")

@@ -22,6 +22,8 @@ import torch
 
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.engine.config import EngineConfig
+from freetoken.layers.offload_config import ExpertOffloadConfig
+from freetoken.models.expert_offload import weight_memory
 from freetoken.models.qwen3_5.config import Qwen35Config
 from freetoken.sampling import SamplingParams
 
@@ -174,6 +176,9 @@ class BenchResult:
     cuda_graphs: bool = False
     forward_ms: float | None = None  # one replay of the step's graph (decode, or verify of k+1 rows; greedy: with verify and commit), GPU time
     forward_cost_vs_decode: float | None = None  # forward_ms over the no-spec decode forward_ms
+    expert_offload: str = "none"  # none | cache | hybrid (layers/offload_config.py)
+    resident_weight_bytes: int | None = None  # weights on the device (models/expert_offload.weight_memory)
+    offloaded_weight_bytes: int | None = None  # routed experts in host memory
 
 
 def graph_forward_ms(engine, rows_per_request: int, repeats: int = 50) -> float | None:
@@ -244,7 +249,8 @@ def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, de
 
 def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none",
               num_draft_tokens: int = 0, corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0,
-              parallel: ParallelContext = SINGLE, cuda_graphs: bool = True, mem_fraction: float = 0.0) -> list[BenchResult]:
+              parallel: ParallelContext = SINGLE, cuda_graphs: bool = True, mem_fraction: float = 0.0,
+              expert_offload: ExpertOffloadConfig | None = None) -> list[BenchResult]:
     """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts (on this rank).
 
     The model is a random-weight model of a bench shape, or (given `model`) a checkpoint's; the
@@ -253,8 +259,14 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
 
     if parallel.is_parallel and device.startswith("cuda"):
         device = f"cuda:{parallel.rank}"
+    offload = expert_offload or ExpertOffloadConfig()
     base_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_num_batched_tokens=max(prompt_len, 256),
-                               max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction, tensor_parallel=parallel.world_size)
+                               max_model_len=prompt_len + new_tokens + num_draft_tokens + 2, seed=seed, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction,
+                               tensor_parallel=parallel.world_size, expert_offload=offload)
+    if model is None and offload.enabled:
+        from freetoken.errors import FreetokenError
+
+        raise FreetokenError("--expert-offload needs MODEL (a checkpoint whose experts are read from disk), not --shape")
     if model is None:
         cfg = SHAPES[shape]
         model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
@@ -271,6 +283,7 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     floor = decode_floor_bytes(model, cfg, batch_size, prompt_len + new_tokens // 2, base_config.torch_dtype.itemsize)
     floor_step = floor / H200_COPY_BANDWIDTH
+    memory = weight_memory(model)
     kernels = os.environ.get("FREETOKEN_KERNELS", "auto")
 
     def result(engine, spec_name, k, rate, prefill_s, decode_s, base: BenchResult | None) -> BenchResult:
@@ -284,7 +297,7 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
             tps, step_ms, acc, mean_len, floor, 1000 * floor_step, batch_size / floor_step,
             (1000 * floor_step) / step_ms if step_ms else 0.0,
             tps / base.decode_tokens_per_s if base else None, step_ms / base.step_ms if base else None, kernels, parallel.world_size,
-            engine.graphs is not None,
+            engine.graphs is not None, expert_offload=offload.mode, resident_weight_bytes=memory.resident_bytes, offloaded_weight_bytes=memory.offloaded_bytes,
         )
 
     engine = LLMEngine(model, base_config)
