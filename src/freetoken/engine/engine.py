@@ -37,6 +37,7 @@ from freetoken.engine.config import EngineConfig
 from freetoken.engine.cuda_graph import DecodeGraphs
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
+from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.request import Request, RequestStatus
 from freetoken.engine.runner import RowGroup, build_context, run_target
 from freetoken.engine.scheduler import PrefillChunk, Scheduler
@@ -111,6 +112,8 @@ class LLMEngine:
         self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq, config.max_num_seqs,
                                    export_layers=self.spec.target_layers) if use_graphs else None
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
+        self.prefix_cache = self.scheduler.prefix_cache = PrefixCache(
+            self.kv_pool, self.state_pool, self.spec, self.scheduler.prefill_align, config.prefix_snapshot_mib << 20) if config.prefix_cache else None
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
         self._next_id = 0
@@ -137,6 +140,8 @@ class LLMEngine:
         request.generator = sampling.make_generator(params, self._next_id, self.device, self.config.seed)
         self._next_id += 1
         self.scheduler.add(request)
+        if self.prefix_cache is not None:
+            self.prefix_cache.add(request)
         return request
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], on_step: Callable[[list[Request]], None] | None = None) -> list[Request]:
@@ -185,7 +190,7 @@ class LLMEngine:
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         align = self.scheduler.prefill_align
         groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length],
-                           chunkable_end=len(c.request.prompt_token_ids) // align * align) for c in chunks]
+                           chunkable_end=c.request.chunkable_end(align)) for c in chunks]
         ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
         hidden, layer_hidden = run_target(self.model, ctx, self.spec.target_layers)
         committed = []
@@ -197,6 +202,9 @@ class LLMEngine:
                                            None if layer_hidden is None else layer_hidden[seq.rows]))
             self.stats.prefill_tokens += chunk.length
         self.spec.observe(committed)
+        if self.prefix_cache is not None:
+            for chunk in chunks:
+                self.prefix_cache.after_prefill(chunk.request)
 
     def _verify(self, requests: list[Request], groups: list[RowGroup], proposal) -> tuple[torch.Tensor, torch.Tensor | None, list[int], list[int]]:
         """Target forward over every request's k+1 rows, verify, commit -> (hidden [B*(k+1), H], the
@@ -234,8 +242,11 @@ class LLMEngine:
             [r.generator for r in requests],
         )
 
-    def _finish(self, request: Request, kept: list[int], done: bool) -> None:
-        """End a request whose last step kept `kept`: free its blocks and slot, drop its draft state."""
+    def _finish(self, request: Request, kept: list[int], done: bool, observed_tokens: int) -> None:
+        """End a request whose last step kept `kept`: hand its first observed_tokens tokens (those the spec
+        method has seen) to the prefix cache, free its blocks and slot, drop its draft state."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.finish(request, observed_tokens)
         self.scheduler.finish(request, self._finish_reason(request, kept, done))
         self.spec.release(request)
 
@@ -270,7 +281,7 @@ class LLMEngine:
                     self.stats.accepted_per_position[i] += 1
             self.stats.generated_tokens += len(kept)
             if done or request.num_tokens >= self.config.max_model_len:
-                self._finish(request, kept, done)
+                self._finish(request, kept, done, observed_tokens=start)
                 finished.append(request)
             else:
                 self.kv_pool.trim(request.block_table, request.num_cached_tokens)
@@ -346,6 +357,6 @@ class LLMEngine:
             if done or len(request.prompt_token_ids) + index + 1 >= self.config.max_model_len:
                 request.num_cached_tokens -= len(request.output_token_ids) - (index + 1)
                 del request.output_token_ids[index + 1 :]
-                self._finish(request, [token], done)
+                self._finish(request, [token], done, observed_tokens=request.num_cached_tokens)
                 finished.append(request)
         return finished

@@ -5,15 +5,26 @@ request owns a list of blocks (its block table). Token p of a request sits in sl
 block_table[p // block_size] * block_size + p % block_size. A model may keep more per-token rows in
 the same slots (`extra_shapes`, e.g. a sparse-attention indexer's keys): one [num_slots, *shape]
 tensor each.
+
+Blocks are reference-counted: a block of a cached prompt prefix is held by the prefix cache and by
+every request whose table shares it, and goes back to the free list when the last holder lets go.
+When the free list is short, the allocator first asks its `reclaimer` (the prefix cache) to let go
+of blocks nobody else holds.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 import torch
 
 from freetoken.forward_context import KVCache
+
+
+class Reclaimer(Protocol):
+    def reclaim(self, num_blocks: int) -> None:
+        """Release up to num_blocks blocks that only the reclaimer holds (least recently used first)."""
 
 
 class KVPool:
@@ -29,6 +40,8 @@ class KVPool:
             extra=[torch.zeros((num_slots, *s), dtype=dtype, device=device) for s in extra_shapes],
         )
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks  # holders of each block (request tables, the prefix cache)
+        self.reclaimer: Reclaimer | None = None
 
     def reserve_block(self) -> int:
         """Take one free block out of circulation for good; num_blocks counts only the others."""
@@ -43,19 +56,41 @@ class KVPool:
         """How many more blocks a table needs to hold num_tokens tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
+    def _make_room(self, num_blocks: int) -> None:
+        if num_blocks > len(self.free_blocks) and self.reclaimer is not None:
+            self.reclaimer.reclaim(num_blocks - len(self.free_blocks))
+
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= len(self.free_blocks)
+        """Whether block_table can grow to num_tokens tokens (reclaiming cached blocks if that is needed)."""
+        needed = self.blocks_needed(block_table, num_tokens)
+        self._make_room(needed)
+        return needed <= len(self.free_blocks)
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append blocks to block_table (in place) until it holds num_tokens tokens."""
-        for _ in range(self.blocks_needed(block_table, num_tokens)):
-            block_table.append(self.free_blocks.popleft())
+        needed = self.blocks_needed(block_table, num_tokens)
+        self._make_room(needed)
+        for _ in range(needed):
+            block = self.free_blocks.popleft()
+            self.ref_counts[block] = 1
+            block_table.append(block)
+
+    def share(self, block: int) -> None:
+        """One more holder of an allocated block."""
+        assert self.ref_counts[block] > 0, f"block {block} is free"
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        """One holder less; the block is free again when none is left."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
 
     def trim(self, block_table: list[int], num_tokens: int) -> None:
         """Release the blocks past the first num_tokens tokens (in place)."""
         keep = -(-num_tokens // self.block_size)
         while len(block_table) > keep:
-            self.free_blocks.append(block_table.pop())
+            self.release(block_table.pop())
 
     def free(self, block_table: list[int]) -> None:
         self.trim(block_table, 0)

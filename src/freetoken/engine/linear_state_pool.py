@@ -38,3 +38,17 @@ class LinearStatePool:
 
     def free(self, slot: int) -> None:
         self.free_slots.append(slot)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds across every layer and state."""
+        tensors = [self.state.conv, self.state.recurrent, *self.state.extra.values()]
+        return sum(t[:, 0].numel() * t.element_size() for t in tensors)
+
+
+def copy_slot(dst: LinearState, dst_slot: int, src: LinearState, src_slot: int) -> None:
+    """Copy one slot's whole state (conv windows, recurrent state, extra states) between pools of one layout."""
+    dst.conv[:, dst_slot].copy_(src.conv[:, src_slot])
+    dst.recurrent[:, dst_slot].copy_(src.recurrent[:, src_slot])
+    for name, pool in dst.extra.items():
+        pool[:, dst_slot].copy_(src.extra[name][:, src_slot])

@@ -26,6 +26,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # tokens whose KV and linear state are in the pools
+    prefix_cut: int = 0  # the prefill ends a piece here, for the prefix cache to snapshot the state (0: nowhere)
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
     draft_state: Any = None  # owned by the spec method
@@ -50,6 +51,12 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.num_cached_tokens < self.num_prefill_tokens
+
+    def chunkable_end(self, prefill_align: int) -> int:
+        """Positions below it may take the chunked GDN rule (layers/linear_attn.split_extend): the prompt's
+        prefill rows in whole pieces of prefill_align, the same for a first prefill and for a recompute
+        after preemption (whose prefill also covers the generated tokens)."""
+        return (len(self.prompt_token_ids) - 1) // prefill_align * prefill_align
 
     @property
     def last_token_id(self) -> int:

@@ -11,6 +11,12 @@ A prompt is cut into pieces at multiples of `prefill_align` (when the budget all
 such piece): the chunked GDN rule then always sees whole aligned chunks, and which rule a position
 gets does not depend on the cut (layers/linear_attn.split_extend), so outputs do not depend on how
 many requests shared the prefill steps either.
+
+With a prefix cache, admission starts a request after its longest usable cached prefix (its pages
+shared, its state restored), ends a prefill piece where the cache plans a state snapshot
+(`Request.prefix_cut`, a multiple of `prefill_align`), and passes over a waiting request while
+another one computes a prefix it shares. The KV pool reclaims cached pages nobody holds before a
+request is ever preempted for lack of blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
+from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.request import Request, RequestStatus
 from freetoken.errors import FreetokenError
 
@@ -41,6 +48,7 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, kv_pool: KVPool, state_pool: LinearStatePool | None, max_num_seqs: int, max_num_batched_tokens: int, num_draft_tokens: int, prefill_align: int = 64):
         self.kv_pool, self.state_pool = kv_pool, state_pool
+        self.prefix_cache: PrefixCache | None = None  # set by the engine when the cache is on
         self.prefill_align = prefill_align if max_num_batched_tokens >= prefill_align else 1
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -110,29 +118,42 @@ class Scheduler:
                     break
                 chunks.append(chunk)
                 budget -= chunk.length
+        cache, passed_over = self.prefix_cache, []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.popleft()
+            if cache is not None and cache.should_wait(request):
+                passed_over.append(request)
+                continue
             if self.state_pool is not None and self.state_pool.num_free_slots == 0:
+                self.waiting.appendleft(request)
                 break
-            first = min(budget, request.num_prefill_tokens)
-            if not self.kv_pool.can_grow(request.block_table, max(first, 1) + self.rows_per_decode):
+            hit = cache.acquire(request) if cache is not None else []
+            first = min(budget, request.num_prefill_tokens - request.num_cached_tokens)
+            if not self.kv_pool.can_grow(request.block_table, request.num_cached_tokens + max(first, 1) + self.rows_per_decode):
+                self.kv_pool.free(request.block_table)
+                request.num_cached_tokens = 0
+                self.waiting.appendleft(request)
                 break
-            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if self.state_pool is not None:
                 request.state_slot = self.state_pool.allocate()
+            if cache is not None:
+                cache.restore(request, hit)
             self.running.append(request)
             if request.in_prefill:
                 chunk = self._chunk(request, budget)
                 if chunk is not None:
                     chunks.append(chunk)
                     budget -= chunk.length
+        self.waiting.extendleft(reversed(passed_over))
         return chunks
 
     def _chunk(self, request: Request, budget: int) -> PrefillChunk | None:
         remaining = request.num_prefill_tokens - request.num_cached_tokens
         length = min(budget, remaining)
-        if length < remaining:  # a cut inside the prompt lands on a multiple of prefill_align
+        if request.num_cached_tokens < request.prefix_cut < request.num_cached_tokens + length:
+            length = request.prefix_cut - request.num_cached_tokens  # a multiple of prefill_align too
+        elif length < remaining:  # a cut inside the prompt lands on a multiple of prefill_align
             length -= (request.num_cached_tokens + length) % self.prefill_align
             if length <= 0:
                 return None
@@ -155,6 +176,8 @@ class Scheduler:
         request.finish_reason = reason
 
     def _release(self, request: Request) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(request)
         self.kv_pool.free(request.block_table)
         if request.state_slot is not None and self.state_pool is not None:
             self.state_pool.free(request.state_slot)

@@ -9,12 +9,17 @@ touches the scheduler or the pools beyond the block tables it is handed.
 Every method is built as `Method(model, kv_pool, num_draft_tokens, device, origin=..., cuda_graphs=...,
 max_blocks_per_seq=...)`; the last two say whether it may replay its drafting as CUDA graphs and the
 padded block-table width of those graphs (methods with nothing to capture ignore them).
+
+With the prefix cache (engine/prefix_cache.py) a request may start with pages another request
+computed. A method that writes rows into the pages whose position p depends on token p + 1 says so
+(`pages_hold_draft_rows`: the cache then keys pages with the token after them); a method that keeps
+per-position state elsewhere exports it with every cached page and imports it on a hit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -41,6 +46,7 @@ class CommittedRows:
 class SpecMethod(Protocol):
     num_draft_tokens: int
     target_layers: tuple[int, ...]  # decoder layers whose outputs observe reads (CommittedRows.layer_hidden); () for none
+    pages_hold_draft_rows: bool  # it writes draft KV rows into the request's pages (row p depends on token p + 1)
 
     def observe(self, rows: Sequence[CommittedRows]) -> None:
         """Consume the target's committed rows: write draft caches and prepare the next proposal."""
@@ -51,12 +57,21 @@ class SpecMethod(Protocol):
     def release(self, request: Request) -> None:
         """Forget a request's draft state (finished or preempted)."""
 
+    def export_context(self, request: Request, start: int, stop: int) -> Any:
+        """The method's state of the request's observed positions [start, stop) kept outside the KV pages
+        (a copy, cached with the page); None when it keeps none."""
+
+    def import_context(self, request: Request, pages: Sequence[Any]) -> None:
+        """A request admitted on a prefix-cache hit: take the exports of its cached pages (positions 0 ..
+        len(pages) * block_size - 1, in order) as if it had observed those rows."""
+
 
 class NoSpec:
     """Plain decoding: zero drafts."""
 
     num_draft_tokens = 0
     target_layers = ()
+    pages_hold_draft_rows = False
 
     def __init__(self, model=None, kv_pool=None, num_draft_tokens: int = 0, device=None, origin: str | None = None, cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         assert num_draft_tokens == 0
@@ -74,3 +89,9 @@ class NoSpec:
 
     def release(self, request: Request) -> None:
         """No state to drop."""
+
+    def export_context(self, request: Request, start: int, stop: int) -> None:
+        """No state outside the pages."""
+
+    def import_context(self, request: Request, pages: Sequence[Any]) -> None:
+        """Nothing to restore."""

@@ -22,6 +22,7 @@ from freetoken.spec.dflash.method import DFlashMethod
 
 class OracleDrafts:
     target_layers = ()
+    pages_hold_draft_rows = False
 
     def __init__(self, model, kv_pool, num_draft_tokens: int, device, origin: str | None = None, cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         self.num_draft_tokens = num_draft_tokens
@@ -52,6 +53,12 @@ class OracleDrafts:
         return Proposal(torch.tensor(drafts, dtype=torch.long), None)
 
     def release(self, request: Request) -> None:
+        """No per-request state."""
+
+    def export_context(self, request: Request, start: int, stop: int) -> None:
+        """No per-request state."""
+
+    def import_context(self, request: Request, pages: Sequence) -> None:
         """No per-request state."""
 
 

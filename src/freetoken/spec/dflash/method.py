@@ -46,6 +46,8 @@ def rows_held(request: Request) -> int:
 
 
 class DFlashMethod:
+    pages_hold_draft_rows = False  # the context rows live in the method's own pool (exported per cached page)
+
     def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
                  cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
         """cuda_graphs: draft greedy batches through CUDA graphs where supported; max_blocks_per_seq *
@@ -145,3 +147,23 @@ class DFlashMethod:
         if request.draft_state is not None:
             self.pool.release(request.draft_state)
         request.draft_state = None
+
+    def export_context(self, request: Request, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the context rows [start, stop) -> K, V [L, kv, stop - start, hd]."""
+        if rows_held(request) < stop:
+            raise RuntimeError(f"request {request.request_id}: export of DFlash context rows to {stop}, it holds {rows_held(request)}")
+        keys, values = request.draft_state.rows()
+        return keys[:, :, start:stop].clone(), values[:, :, start:stop].clone()
+
+    def import_context(self, request: Request, pages: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write the cached pages' context rows as the request's rows 0 .. n - 1 (a new slot)."""
+        if request.draft_state is not None:
+            raise RuntimeError(f"request {request.request_id}: DFlash context import over {rows_held(request)} held rows")
+        keys = torch.cat([k for k, _ in pages], dim=2)  # [L, kv, n, hd]
+        values = torch.cat([v for _, v in pages], dim=2)
+        n = keys.shape[2]
+        state = request.draft_state = self.pool.acquire()
+        self.pool.reserve(n)
+        positions = torch.arange(n, device=self.device)
+        self.pool.write(torch.full((n,), state.slot, dtype=torch.long, device=self.device), positions, keys, values)
+        state.num_rows = n

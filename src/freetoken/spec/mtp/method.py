@@ -35,6 +35,7 @@ class MTPDraftState:
 
 class MTPMethod:
     target_layers = ()  # reads the target's hidden alone
+    pages_hold_draft_rows = True  # the MTP KV row at position t is written from (h_t, x_{t+1})
 
     def __init__(self, model: torch.nn.Module, kv_pool, num_draft_tokens: int, device: torch.device, origin: str | None = None,
                  cuda_graphs: bool = False, max_blocks_per_seq: int | None = None):
@@ -104,3 +105,9 @@ class MTPMethod:
     def release(self, request: Request) -> None:
         """Drop the request's draft state."""
         request.draft_state = None
+
+    def export_context(self, request: Request, start: int, stop: int) -> None:
+        """Nothing outside the pages: the MTP KV rows are in them (cached with lookahead keys)."""
+
+    def import_context(self, request: Request, pages: Sequence) -> None:
+        """Nothing to restore: the first prefill piece after the hit writes the next draft state."""

@@ -1,0 +1,233 @@
+"""Radix cache of prompt prefixes over the paged KV pool: a request admitted with a prefix that an
+earlier request computed reuses its KV pages and linear-attention state instead of prefilling it.
+
+Layout. One tree node per page (block_size tokens): its key is the page's tokens, its value the KV
+block that holds them (the pool's reference counts count the tree as one holder), so a path from
+the root is a page-aligned prefix. The cache inserts a request's committed pages after each of its
+prefill steps and when it finishes, and `acquire`s the longest usable path for a request it
+admits: the request's block table starts with the path's blocks (shared, read-only: a request
+writes only at positions past its cached ones) and its prefill starts after them. At least one
+prompt row is always left to prefill, so the spec method sees the last prompt row as usual.
+Unreferenced leaves are evicted least recently used first when the KV pool is short (`reclaim`).
+
+Lookahead keys (DESIGN.md invariant 6). When the spec method writes draft rows into the pages
+(MTP: its KV row at position p is a function of token p + 1), a page's key also holds the token
+after it, so a hit never reuses a draft row written for another next token.
+
+Draft context (invariant 7). A method that keeps per-position state outside the pages (DFlash's
+context rows) exports it for every page the cache takes and imports it on a hit, so drafts after
+a hit equal drafts without the cache.
+
+Linear-attention state (hybrid models). A hit ends at a node that holds a snapshot of the state
+at exactly that token boundary (state_snapshots.py), taken right after a prefill step ended there.
+The boundaries are planned: the scheduler ends a prefill piece at the deepest point the request's
+prompt shares with another live prompt (shared_prefixes.py), a multiple of the page and of the
+prefill alignment. The GDN rule a position gets (chunked or recurrent, layers/linear_attn.py)
+depends on the request's chunkable end, so a snapshot records the positions below it that ran the
+chunked rule; a request may restore it only if it would give those positions the same rule. With
+prefill cuts that are not multiples of the GDN chunk (a tiny prefill budget) there are no
+snapshots, hence no hits on hybrid models.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.linear_state_pool import LinearStatePool
+from freetoken.engine.request import Request
+from freetoken.engine.shared_prefixes import SharedPrefixes
+from freetoken.engine.spec_protocol import SpecMethod
+from freetoken.engine.state_snapshots import SnapshotStore
+from freetoken.layers.linear_attn import CHUNK
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]  # the page's tokens (+ the next token with lookahead keys)
+    block: int  # the KV block holding the page
+    parent: Node | None
+    num_tokens: int  # prefix length through this page
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    last_use: int = 0
+    context: Any = None  # the spec method's export for this page (None if it keeps nothing outside the pages)
+    snapshot: int | None = None  # SnapshotStore slot of the linear state at num_tokens
+    snapshot_chunked: int = 0  # positions below it ran the chunked GDN rule in that state
+
+
+@dataclass
+class PrefixCacheStats:
+    lookups: int = 0  # admissions that looked the cache up
+    hits: int = 0  # admissions that reused at least one page
+    cached_tokens: int = 0  # prompt tokens taken from the cache instead of prefilled
+    evicted_pages: int = 0
+
+
+class PrefixCache:
+    def __init__(self, kv_pool: KVPool, state_pool: LinearStatePool | None, spec: SpecMethod, prefill_align: int, snapshot_budget_bytes: int):
+        self.kv_pool, self.spec = kv_pool, spec
+        self.block_size = kv_pool.block_size
+        self.lookahead = int(getattr(spec, "pages_hold_draft_rows", False))
+        self.prefill_align = prefill_align
+        self.hybrid = state_pool is not None
+        exact_snapshots = prefill_align % CHUNK == 0  # else the GDN rule of a position depends on where the prefill was cut
+        self.snapshots = SnapshotStore(state_pool, snapshot_budget_bytes if exact_snapshots else 0, kv_pool.num_blocks) if self.hybrid else None
+        self.cut_multiple = math.lcm(self.block_size, prefill_align) if self.hybrid else self.block_size
+        self.shared = SharedPrefixes(self.block_size)
+        self.root = Node((), -1, None, 0)
+        self.num_pages = 0
+        self.context_bytes = 0  # held by the pages' spec exports
+        self.stats = PrefixCacheStats()
+        self.clock = 0
+        kv_pool.reclaimer = self
+
+    # -- the requests' lifecycle -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """A new request: count its prompt among the live ones."""
+        self.shared.add(request.request_id, request.prompt_token_ids)
+
+    def should_wait(self, request: Request) -> bool:
+        """Whether admitting the request should wait for another request to finish computing a prefix it shares."""
+        return self.shared.should_wait(request.request_id)
+
+    def acquire(self, request: Request) -> list[Node]:
+        """Start a request's block table with its longest usable cached prefix -> the matched path."""
+        path = self.match(request)
+        for node in path:
+            self.kv_pool.share(node.block)
+            request.block_table.append(node.block)
+            self._touch(node)
+        request.num_cached_tokens = len(path) * self.block_size
+        return path
+
+    def restore(self, request: Request, path: list[Node]) -> None:
+        """Complete an admission (the request holds its state slot now): restore the state at the end of
+        the path and the method's draft context, and plan where the prefill ends a piece for a snapshot."""
+        self.stats.lookups += 1
+        if path:
+            self.stats.hits += 1
+            self.stats.cached_tokens += path[-1].num_tokens
+            if self.hybrid:
+                self.snapshots.restore(path[-1].snapshot, request.state_slot)
+            self.spec.import_context(request, [node.context for node in path])
+        request.prefix_cut = self._cut(request)
+        if request.prefix_cut:
+            self.shared.start_computing(request.request_id, request.prefix_cut // self.block_size)
+
+    def after_prefill(self, request: Request) -> None:
+        """A prefill step of the request was committed and observed: cache its full pages, and the state
+        if the step ended at its planned cut."""
+        at_cut = request.num_cached_tokens == request.prefix_cut
+        self.insert(request, request.num_cached_tokens, snapshot=at_cut)
+        if at_cut:
+            self.shared.stop_computing(request.request_id)
+
+    def finish(self, request: Request, observed_tokens: int) -> None:
+        """The request is done: cache the pages of its first observed_tokens tokens (those whose rows the
+        spec method has seen), then forget its prompt."""
+        self.insert(request, min(observed_tokens, request.num_tokens), snapshot=False)
+        self.shared.remove(request.request_id)
+
+    def release(self, request: Request) -> None:
+        """The request gave its pages and slot back (preempted or finished): it computes nothing for others now."""
+        self.shared.stop_computing(request.request_id)
+
+    # -- the tree --------------------------------------------------------------------------------
+    def _key(self, tokens: list[int], page: int) -> tuple[int, ...]:
+        start = page * self.block_size
+        return tuple(tokens[start : start + self.block_size + self.lookahead])
+
+    def match(self, request: Request) -> list[Node]:
+        """The longest cached path the request may reuse: at most its prefill rows less one, ending at a
+        node with a fitting state snapshot on hybrid models."""
+        tokens, node, path = request.token_ids, self.root, []
+        limit = request.num_prefill_tokens - 1
+        while (len(path) + 1) * self.block_size <= limit:
+            node = node.children.get(self._key(tokens, len(path)))
+            if node is None:
+                break
+            path.append(node)
+        if self.hybrid:
+            chunkable = request.chunkable_end(self.prefill_align)
+            while path and not (path[-1].snapshot is not None and min(path[-1].num_tokens, chunkable) == path[-1].snapshot_chunked):
+                path.pop()
+        return path
+
+    def insert(self, request: Request, num_tokens: int, snapshot: bool) -> None:
+        """Cache the full pages of the request's first num_tokens tokens (committed), and with `snapshot`
+        the linear state of its slot, which must be at exactly num_tokens tokens."""
+        tokens, node = request.token_ids, self.root
+        num_pages = min(num_tokens, len(tokens) - self.lookahead) // self.block_size
+        for page in range(num_pages):
+            key = self._key(tokens, page)
+            child = node.children.get(key)
+            if child is None:
+                block = request.block_table[page]
+                self.kv_pool.share(block)
+                start = page * self.block_size
+                child = node.children[key] = Node(key, block, node, start + self.block_size, context=self.spec.export_context(request, start, start + self.block_size))
+                self.num_pages += 1
+                self.context_bytes += _nbytes(child.context)
+            self._touch(child)
+            node = child
+        if snapshot and self.snapshots is not None and node is not self.root and node.num_tokens == num_tokens and node.snapshot is None:
+            node.snapshot = self.snapshots.take(request.state_slot, on_evict=lambda n=node: setattr(n, "snapshot", None))
+            node.snapshot_chunked = min(num_tokens, request.chunkable_end(self.prefill_align))
+
+    def _cut(self, request: Request) -> int:
+        """Where the request's prefill should end a piece so that the state there can be snapshotted for
+        other live prompts sharing its prefix (0: nowhere)."""
+        shared = self.shared.shared_pages(request.request_id) * self.block_size
+        end = min(shared, request.num_prefill_tokens - 1)
+        if self.hybrid:
+            end = min(end, request.chunkable_end(self.prefill_align))
+        end = end // self.cut_multiple * self.cut_multiple
+        return end if end > request.num_cached_tokens else 0
+
+    def _touch(self, node: Node) -> None:
+        self.clock += 1
+        node.last_use = self.clock
+        if node.snapshot is not None:
+            self.snapshots.touch(node.snapshot)
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Evict up to num_blocks pages no request holds, least recently used leaves first."""
+        refs = self.kv_pool.ref_counts
+        heap = [(n.last_use, id(n), n) for n in self._nodes() if not n.children and refs[n.block] == 1]
+        heapq.heapify(heap)
+        for _ in range(num_blocks):
+            if not heap:
+                return
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            self._remove(node)
+            if parent is not self.root and not parent.children and refs[parent.block] == 1:
+                heapq.heappush(heap, (parent.last_use, id(parent), parent))
+
+    def _remove(self, node: Node) -> None:
+        del node.parent.children[node.key]
+        if node.snapshot is not None:
+            self.snapshots.drop(node.snapshot)
+        self.kv_pool.release(node.block)
+        self.num_pages -= 1
+        self.context_bytes -= _nbytes(node.context)
+        self.stats.evicted_pages += 1
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+
+def _nbytes(context: Any) -> int:
+    """Bytes of the tensors in a spec export (a tensor, a tuple of them or None)."""
+    if context is None:
+        return 0
+    if isinstance(context, (tuple, list)):
+        return sum(_nbytes(c) for c in context)
+    return context.numel() * context.element_size()
