@@ -29,7 +29,8 @@ def moe(fixture_unified):
 
 def test_generate_with_offload_writes_the_resident_tokens(moe, tmp_path):
     runner = CliRunner()
-    runs = {"none": [], "cache": ["--expert-offload", "cache", "--expert-cache-gb", "0.0002"], "hybrid": ["--expert-offload", "hybrid", "--gpu-experts", "25%"]}
+    runs = {"none": [], "cache": ["--expert-offload", "cache", "--expert-cache-gb", "0.0002"],
+            "hybrid": ["--expert-offload", "hybrid", "--gpu-experts", "25%"]}
     tokens = {}
     for mode, extra in runs.items():
         out = tmp_path / f"{mode}.jsonl"
@@ -52,7 +53,8 @@ def test_generate_with_offload_writes_the_resident_tokens(moe, tmp_path):
 def test_bad_offload_options_exit_with_one_line(moe, tmp_path, args, message):
     code = "import sys; from freetoken.cli import main; sys.argv = ['freetoken'] + sys.argv[1:]; main()"
     env = {"FREETOKEN_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-c", code, "generate", moe, "-p", "x", "-n", "2", *args], capture_output=True, text=True, env=env, timeout=120)
+    command = [sys.executable, "-c", code, "generate", moe, "-p", "x", "-n", "2", *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr

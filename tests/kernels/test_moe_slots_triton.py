@@ -32,7 +32,8 @@ def problem(device, dtype, n, seed=0):
     shared_gate = torch.randn(n, 1, generator=gen).to(dtype)
     # slots: a permutation of the routed experts, then two noise rows, then (stacked) the shared expert
     perm = torch.randperm(e, generator=gen)
-    noise_up, noise_down = torch.randn(2, 2 * i, h, generator=gen).to(dtype), torch.randn(2, h, i, generator=gen).to(dtype)
+    noise_up = torch.randn(2, 2 * i, h, generator=gen).to(dtype)
+    noise_down = torch.randn(2, h, i, generator=gen).to(dtype)
     slot_gate_up = torch.cat([gate_up[:e][perm], noise_up, gate_up[e:]])
     slot_down = torch.cat([down[:e][perm], noise_down, down[e:]])
     slot_of = torch.empty(e + 1, dtype=torch.int32)
@@ -57,4 +58,5 @@ def test_slotted_experts_have_the_bits_of_the_stored_order(device, dtype, n):
         want = impl.moe_experts(x, experts, weights, gate_up[:e], down[:e], 0, shared, gate)
         assert torch.equal(impl.moe_experts(x, experts, weights, *routed_slots, 0, shared, gate, slot_of=slot_of[:e]), want)
         want = impl.moe_experts_with_shared(x, stacked_ids, weights, gate_up, down, gate)
-        assert torch.equal(impl.moe_experts_with_shared(x, stacked_ids, weights, slot_gate_up, slot_down, gate, slot_of=slot_of), want)
+        got = impl.moe_experts_with_shared(x, stacked_ids, weights, slot_gate_up, slot_down, gate, slot_of=slot_of)
+        assert torch.equal(got, want)

@@ -103,13 +103,15 @@ def test_weight_memory_counts_slots_and_host_bytes(checkpoint):
     assert cached.offloaded_bytes == all_experts and cached.expert_device_bytes == MOE_LAYERS * 3 * EXPERT_ELEMENTS * 4
     slot_maps = MOE_LAYERS * 8 * 4  # slot_of, int32 per expert
     assert cached.resident_bytes == resident.resident_bytes - all_experts + cached.expert_device_bytes + slot_maps
-    assert hybrid.offloaded_bytes == MOE_LAYERS * 6 * EXPERT_ELEMENTS * 4 and hybrid.expert_device_bytes == MOE_LAYERS * 2 * EXPERT_ELEMENTS * 4
+    assert hybrid.offloaded_bytes == MOE_LAYERS * 6 * EXPERT_ELEMENTS * 4
+    assert hybrid.expert_device_bytes == MOE_LAYERS * 2 * EXPERT_ELEMENTS * 4
     assert hybrid.resident_bytes == resident.resident_bytes - all_experts + hybrid.expert_device_bytes
 
 
 def _store(checkpoint, layer: int = 0) -> HostExpertStore:
     prefix = f"model.layers.{layer}.mlp.experts"
-    return HostExpertStore(checkpoint, f"{prefix}.gate_up_proj", f"{prefix}.down_proj", 0, 8, (64, 64), (64, 32), torch.float32, pin=False)
+    names = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    return HostExpertStore(checkpoint, *names, 0, 8, (64, 64), (64, 32), torch.float32, pin=False)
 
 
 def test_slot_cache_lru_and_slot_of(checkpoint):

@@ -41,6 +41,10 @@ class CachedExperts:
         return self.cache.device_bytes
 
     @property
+    def device_tensors(self) -> list[torch.Tensor]:
+        return [self.cache.gate_up, self.cache.down, self.cache.slot_of]
+
+    @property
     def host_bytes(self) -> int:
         return self.cache.store.capacity_bytes
 
@@ -69,10 +73,11 @@ class CachedExperts:
     def _run(self, moe, x, experts, weights, blocks, shared_gate, stacked: bool) -> torch.Tensor:
         cache = self.cache
         if stacked:
-            return kernels.moe_experts_with_shared(x, experts, weights, cache.gate_up, cache.down, shared_gate, blocks, slot_of=cache.slot_of)
+            return kernels.moe_experts_with_shared(x, experts, weights, cache.gate_up, cache.down, shared_gate, blocks,
+                                                   slot_of=cache.slot_of)
         slots = cache.num_slots
-        return kernels.moe_experts(x, experts, weights, cache.gate_up[:slots], cache.down[:slots], 0, moe.shared_expert(x), shared_gate,
-                                   blocks, slot_of=cache.slot_of[: cache.store.num_experts])
+        return kernels.moe_experts(x, experts, weights, cache.gate_up[:slots], cache.down[:slots], 0, moe.shared_expert(x),
+                                   shared_gate, blocks, slot_of=cache.slot_of[: cache.store.num_experts])
 
 
 class HybridExperts:
@@ -89,6 +94,10 @@ class HybridExperts:
     @property
     def device_bytes(self) -> int:
         return (self.gate_up.numel() + self.down.numel()) * self.gate_up.element_size()
+
+    @property
+    def device_tensors(self) -> list[torch.Tensor]:
+        return [self.gate_up, self.down]
 
     @property
     def host_bytes(self) -> int:
@@ -113,6 +122,7 @@ class HybridExperts:
         if host_ids:
             gate_up, down = self.store.weights(host_ids)
             idx = rows_host.to(x.device)
-            products = moe_ref.expert_products(x[idx].cpu(), experts_host[rows_host], weights[idx].cpu(), gate_up, down, first_host)
+            x_host, weights_host = x[idx].cpu(), weights[idx].cpu()
+            products = moe_ref.expert_products(x_host, experts_host[rows_host], weights_host, gate_up, down, first_host)
             acc[idx] = moe_ref.add_products(acc[idx], experts[idx], products.to(x.device), first_host)
         return acc.to(x.dtype) + activation_ref.sigmoid(shared_gate) * moe.shared_expert(x)

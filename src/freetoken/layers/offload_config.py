@@ -59,7 +59,7 @@ class ExpertOffloadConfig:
         return int(num_experts * self.gpu_expert_fraction)
 
     @classmethod
-    def from_options(cls, mode: str, expert_cache_gb: float | None = None, gpu_experts: str | None = None) -> "ExpertOffloadConfig":
+    def from_options(cls, mode: str, expert_cache_gb: float | None = None, gpu_experts: str | None = None) -> ExpertOffloadConfig:
         """From the CLI's text: --gpu-experts is a count ("64") or a fraction ("0.25", "25%")."""
         count, fraction = parse_gpu_experts(gpu_experts) if gpu_experts is not None else (None, None)
         return cls(mode, expert_cache_gb, count, fraction)

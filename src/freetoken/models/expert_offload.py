@@ -52,7 +52,8 @@ class ExpertOffloader:
         """On the meta device: drop every SparseMoE's routed expert parameters and check that the rest fits."""
         for name, moe in _moe_blocks(model):
             experts = moe.experts
-            self.shapes[name] = ExpertShape(experts.count, moe.top_k, tuple(experts.gate_up_proj.shape[1:]), tuple(experts.down_proj.shape[1:]))
+            per_expert = tuple(experts.gate_up_proj.shape[1:]), tuple(experts.down_proj.shape[1:])
+            self.shapes[name] = ExpertShape(experts.count, moe.top_k, *per_expert)
             del experts.gate_up_proj, experts.down_proj
         if not self.shapes:
             raise FreetokenError("--expert-offload needs a MoE model; this one has no routed experts")
@@ -70,7 +71,8 @@ class ExpertOffloader:
         self.num_slots = min(per_layer // largest, max(s.num_experts for s in shapes))
         if self.num_slots < need:
             floor = need * largest * len(shapes) / GIB
-            raise FreetokenError(f"--expert-cache-gb {self.config.expert_cache_gb:g} gives {self.num_slots} expert slots per MoE layer; "
+            gb = self.config.expert_cache_gb
+            raise FreetokenError(f"--expert-cache-gb {gb:g} gives {self.num_slots} expert slots per MoE layer; "
                                  f"a token needs {need}: use at least {floor:.3g}")
         return sum(min(self.num_slots, s.num_experts) * self.expert_bytes(s) for s in shapes)
 
@@ -95,13 +97,13 @@ class ExpertOffloader:
             gate_up_name, down_name = f"{name}.experts.gate_up_proj", f"{name}.experts.down_proj"
             for tensor, per_expert in ((gate_up_name, shape.gate_up), (down_name, shape.down)):
                 _check_stored_shape(source, tensor, (shape.num_experts, *per_expert))
+            resident = 0 if self.config.mode == "cache" else self.config.num_resident_experts(shape.num_experts)
+            store = HostExpertStore(source, gate_up_name, down_name, resident, shape.num_experts, shape.gate_up, shape.down,
+                                    self.dtype, pin)
             if self.config.mode == "cache":
-                store = HostExpertStore(source, gate_up_name, down_name, 0, shape.num_experts, shape.gate_up, shape.down, self.dtype, pin)
                 slots = min(self.num_slots, shape.num_experts)
                 moe.offload = CachedExperts(ExpertSlotCache(store, slots, self.device, moe.stacks_shared_expert), shape.top_k)
             else:
-                resident = self.config.num_resident_experts(shape.num_experts)
-                store = HostExpertStore(source, gate_up_name, down_name, resident, shape.num_experts, shape.gate_up, shape.down, self.dtype, pin)
                 gate_up = _read_experts(source, gate_up_name, resident, self.device, self.dtype)
                 down = _read_experts(source, down_name, resident, self.device, self.dtype)
                 moe.offload = HybridExperts(gate_up, down, store, shape.top_k)
@@ -142,11 +144,12 @@ def weight_memory(model: torch.nn.Module) -> WeightMemory:
     blocks = [m.offload for _, m in _moe_blocks(model) if m.offload is not None]
     tensors = [*model.parameters(), *model.buffers()]
     for offload in blocks:
-        tensors += [offload.cache.gate_up, offload.cache.down, offload.cache.slot_of] if isinstance(offload, CachedExperts) else [offload.gate_up, offload.down]
+        tensors += offload.device_tensors
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     device = str(next(model.parameters()).device)
     mode = getattr(model, "expert_offload", ExpertOffloadConfig()).mode
-    return WeightMemory(device, sum(storages.values()), sum(o.device_bytes for o in blocks), sum(o.host_bytes for o in blocks), mode)
+    expert_device_bytes, host_bytes = sum(o.device_bytes for o in blocks), sum(o.host_bytes for o in blocks)
+    return WeightMemory(device, sum(storages.values()), expert_device_bytes, host_bytes, mode)
 
 
 def describe_weight_memory(model: torch.nn.Module) -> str:
@@ -160,7 +163,8 @@ def describe_weight_memory(model: torch.nn.Module) -> str:
         where = f"{blocks[0].cache.num_slots} expert slots per layer"
     else:
         where = f"{blocks[0].num_resident_experts} resident experts per layer"
-    return line + f" (of which {_size(m.expert_device_bytes)} in {where}); {_size(m.offloaded_bytes)} of experts offloaded to host memory ({m.mode})"
+    offloaded = f"{_size(m.offloaded_bytes)} of experts offloaded to host memory ({m.mode})"
+    return line + f" (of which {_size(m.expert_device_bytes)} in {where}); {offloaded}"
 
 
 def _size(num_bytes: int) -> str:
