@@ -26,7 +26,7 @@ from freetoken.layers.expert_store import HostExpertStore
 from freetoken.layers.offload_config import ExpertOffloadConfig, parse_gpu_experts
 from freetoken.models.expert_offload import weight_memory
 from freetoken.models.loader import load_model
-from tests.conftest import greedy, run_rows
+from tests.conftest import TinySpec, greedy, run_rows
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MOE_LAYERS = 5  # 4 trunk layers + the MTP head's
@@ -51,9 +51,9 @@ def caches(model) -> list[ExpertSlotCache]:
     return [m.offload.cache for m in model.modules() if getattr(m, "offload", None) is not None]
 
 
-def generate(model, spec: str = "none", k: int = 0, dtype: str = "float32") -> list[list[int]]:
+def generate(model, spec: str = "none", k: int = 0, dtype: str = "float32", prompts=PROMPTS) -> list[list[int]]:
     config = EngineConfig(dtype=dtype, max_num_seqs=3, max_model_len=128, spec=spec, num_draft_tokens=k)
-    return [r.output_token_ids for r in LLMEngine(model, config).generate(PROMPTS, greedy(12))]
+    return [r.output_token_ids for r in LLMEngine(model, config).generate(prompts, greedy(12))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -164,3 +164,18 @@ def test_cache_too_small_and_dense_models_are_refused(checkpoint, fixture_unifie
     dense = UnifiedCheckpoint.open(fixture_unified("qwen35_dense"))
     with pytest.raises(FreetokenError, match="needs a MoE model"):
         load(dense, torch.float32, ExpertOffloadConfig("hybrid", gpu_experts=1))
+
+
+def test_cache_with_the_shared_expert_stacked_is_the_resident_model(tiny_checkpoint):
+    """A shared expert as wide as a routed one is stacked after the slots (the merged block's layout); on CPU it runs dense."""
+    ck = UnifiedCheckpoint.open(tiny_checkpoint(TinySpec(moe=True, shared_expert_intermediate_size=32))[1])
+    resident = load(ck, torch.bfloat16)
+    cached = load(ck, torch.bfloat16, ExpertOffloadConfig("cache", expert_cache_gb=MOE_LAYERS * 3 * 3 * 64 * 32 * 2 / 2**30))
+    prompts = [[t % 256 for t in p] for p in PROMPTS]  # the tiny vocabulary
+    # the engines merge the blocks, which stacks the shared expert
+    assert generate(cached, dtype="bfloat16", prompts=prompts) == generate(resident, dtype="bfloat16", prompts=prompts)
+    assert all(c.gate_up.shape[0] == c.num_slots + 1 for c in caches(cached))
+    shared = cached.model.layers[0].mlp.shared_expert
+    assert shared.down_proj.weight.data_ptr() == caches(cached)[0].down[-1].data_ptr()
+    for ids in prompts:
+        assert torch.equal(resident.compute_logits(run_rows(resident, ids)[0]), cached.compute_logits(run_rows(cached, ids)[0]))
