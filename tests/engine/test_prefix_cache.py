@@ -1,0 +1,169 @@
+"""The prefix cache's bookkeeping without a model: the page tree over a refcounted KV pool, lookahead
+keys, LRU reclaim, the snapshot budget and the shared-prefix planning.
+
+Oracles: hand-counted page paths, reference counts and free-list sizes for small hand-built prompts;
+snapshot contents compared with the state written into the live slot before it was snapshotted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.linear_state_pool import LinearStatePool
+from freetoken.engine.prefix_cache import PrefixCache
+from freetoken.engine.request import Request
+from freetoken.engine.shared_prefixes import SharedPrefixes
+from freetoken.engine.spec_protocol import NoSpec
+from freetoken.engine.state_snapshots import SnapshotStore
+from freetoken.forward_context import StateSpec
+from freetoken.sampling import SamplingParams
+
+BS = 4  # tokens per page
+
+
+class LookaheadSpec(NoSpec):
+    pages_hold_draft_rows = True
+
+
+def _pool(num_blocks: int = 12) -> KVPool:
+    return KVPool(1, num_blocks, BS, 1, 2, torch.float32, "cpu")
+
+
+def _request(request_id: int, tokens: list[int]) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(max_new_tokens=4))
+
+
+def _computed(pool: KVPool, cache: PrefixCache, request: Request, num_tokens: int) -> None:
+    """The request computed its first num_tokens tokens into blocks of its own, then they were cached."""
+    pool.grow(request.block_table, num_tokens)
+    request.num_cached_tokens = num_tokens
+    cache.insert(request, num_tokens, snapshot=False)
+
+
+def test_match_shares_the_longest_cached_page_path_and_counts_its_holders():
+    pool = _pool()
+    cache = PrefixCache(pool, None, NoSpec(), prefill_align=64, snapshot_budget_bytes=0)
+    a = _request(0, range(1, 15))  # 14 tokens: 3 full pages
+    _computed(pool, cache, a, 13)
+    assert cache.num_pages == 3 and [pool.ref_counts[b] for b in a.block_table] == [2, 2, 2, 1]
+
+    b = _request(1, list(range(1, 10)) + [99, 98, 97, 96])  # agrees with a on 9 tokens: 2 full pages
+    path = cache.acquire(b)
+    assert [n.block for n in path] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert [pool.ref_counts[x] for x in a.block_table[:2]] == [3, 3]
+
+    c = _request(2, range(1, 10))  # 9 tokens: 8 prefill rows, of which one must be left to prefill
+    assert len(cache.match(c)) == 1
+
+    pool.free(a.block_table)
+    pool.free(b.block_table)
+    assert [pool.ref_counts[n.block] for n in path] == [1, 1]  # the tree alone holds them now
+    assert pool.num_free_blocks == 12 - 3
+
+
+def test_lookahead_keys_need_the_token_after_the_page():
+    pool = _pool()
+    cache = PrefixCache(pool, None, LookaheadSpec(), prefill_align=64, snapshot_budget_bytes=0)
+    a = _request(0, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    _computed(pool, cache, a, 8)  # page 1 ends at token 8: its key holds token 8 (13) too
+    assert [n.key for n in cache.root.children.values()] == [(5, 6, 7, 8, 9)]
+
+    same_next = _request(1, [5, 6, 7, 8, 9, 10, 11, 12, 13, 50, 51, 52])
+    other_next = _request(2, [5, 6, 7, 8, 9, 10, 11, 12, 40, 50, 51, 52])  # page 1 agrees, the token after it does not
+    assert len(cache.match(same_next)) == 2
+    assert len(cache.match(other_next)) == 1
+
+    plain = PrefixCache(_pool(), None, NoSpec(), prefill_align=64, snapshot_budget_bytes=0)
+    _computed(plain.kv_pool, plain, _request(0, a.prompt_token_ids), 8)
+    assert len(plain.match(other_next)) == 2  # without draft rows in the pages the page alone decides
+
+
+def test_the_pool_reclaims_unheld_cached_pages_least_recently_used_leaf_first():
+    pool = _pool(6)
+    cache = PrefixCache(pool, None, NoSpec(), prefill_align=64, snapshot_budget_bytes=0)
+    old = _request(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    new = _request(1, [1, 2, 3, 4, 20, 21, 22, 23, 24])
+    _computed(pool, cache, old, 8)
+    pool.free(old.block_table)
+    _computed(pool, cache, new, 8)  # its first page is a copy of old's first page: the tree keeps old's
+    held = list(new.block_table)
+    assert cache.num_pages == 3 and pool.num_free_blocks == 6 - 4
+
+    table: list[int] = []
+    assert pool.can_grow(table, 3 * BS)  # 2 free blocks, then the unheld leaf (old's page 2)
+    pool.grow(table, 3 * BS)
+    assert cache.num_pages == 2 and cache.stats.evicted_pages == 1
+    assert not pool.can_grow(table, 4 * BS)  # old's page 1 is unheld, but its child (new's page 2) is held by `new`
+
+    pool.free(new.block_table)  # its copy of page 1 was never cached: free at once
+    assert pool.ref_counts[held[0]] == 0 and pool.can_grow(table, 4 * BS) and cache.num_pages == 2
+    pool.grow(table, 4 * BS)
+    assert pool.can_grow(table, 5 * BS)  # new's page 2 is a leaf no request holds now
+    assert cache.num_pages == 1 and pool.ref_counts[held[1]] == 0
+
+
+def _live_pool(slots: int = 3) -> LinearStatePool:
+    return LinearStatePool(2, slots, (3, 5), (2, 4, 4), torch.float32, "cpu", (StateSpec("win", 1, (2,), torch.int64),))
+
+
+def test_snapshot_budget_holds_whole_snapshots_and_drops_the_least_recently_used():
+    live = _live_pool()
+    budget = 2 * live.slot_bytes + live.slot_bytes // 2
+    store = SnapshotStore(live, budget, max_slots=100)
+    assert store.num_slots == 2
+    dropped = []
+    written = []
+    for i in range(3):
+        live.state.recurrent[:, 0].normal_()
+        live.state.conv[:, 0].normal_()
+        live.state.extra["win"][:, 0] = i
+        written.append((live.state.recurrent[:, 0].clone(), live.state.conv[:, 0].clone()))
+        store.take(0, on_evict=lambda i=i: dropped.append(i))
+        if i == 1:
+            store.touch(0)  # the first snapshot was used again: the second is now the oldest
+        assert store.held_bytes <= budget
+    assert dropped == [1]
+    store.restore(0, 2)  # the slot of the first snapshot
+    assert torch.equal(live.state.recurrent[:, 2], written[0][0]) and torch.equal(live.state.conv[:, 2], written[0][1])
+    assert live.state.extra["win"][0, 2].tolist() == [0, 0]
+    assert SnapshotStore(live, live.slot_bytes - 1, max_slots=100).num_slots == 0
+
+
+def test_a_snapshot_is_usable_only_by_a_request_that_gives_its_positions_the_same_gdn_rule():
+    pool, live = _pool(80), _live_pool()
+    cache = PrefixCache(pool, live, NoSpec(), prefill_align=64, snapshot_budget_bytes=10 * live.slot_bytes)
+    a = _request(0, range(1, 71))  # 70 tokens: chunkable end 64, positions 64.. run the recurrence
+    a.state_slot = live.allocate()
+    for end in (64, 68):  # prefill pieces ending at 64 and 68, each snapshotted
+        pool.grow(a.block_table, end)
+        a.num_cached_tokens = end
+        cache.insert(a, end, snapshot=True)
+    at_64, at_68 = cache.match(_request(9, range(1, 90)))[15], cache.match(_request(9, range(1, 72)))[-1]
+    assert (at_64.num_tokens, at_64.snapshot_chunked) == (64, 64) and (at_68.num_tokens, at_68.snapshot_chunked) == (68, 64)
+
+    same_rule = _request(1, list(range(1, 70)) + [500, 501])  # 71 tokens: chunkable end 64 as a's
+    longer = _request(2, list(range(1, 70)) + [500] * 130)  # chunkable end 192: it would run 64..67 chunked
+    assert cache.match(same_rule)[-1] is at_68
+    assert cache.match(longer)[-1] is at_64
+    assert cache.match(_request(3, range(1, 66))) == []  # 65 tokens: 63 may come from the cache, no snapshot below
+
+    cut = PrefixCache(_pool(80), live, NoSpec(), prefill_align=8, snapshot_budget_bytes=10 * live.slot_bytes)
+    assert cut.snapshots.num_slots == 0  # prefill cuts off the GDN chunk grid: a position's rule depends on the cut
+
+
+def test_shared_prefixes_plan_cuts_and_hold_back_requests_that_share_a_prefix_being_computed():
+    shared = SharedPrefixes(BS)
+    shared.add(0, list(range(20)))
+    shared.add(1, list(range(10)) + [99] * 10)
+    shared.add(2, [7] * 20)
+    assert [shared.shared_pages(i) for i in range(3)] == [2, 2, 0]
+    shared.start_computing(0, 2)
+    assert shared.should_wait(1) and not shared.should_wait(0) and not shared.should_wait(2)
+    shared.stop_computing(0)
+    assert not shared.should_wait(1)
+    shared.remove(1)
+    assert shared.shared_pages(0) == 0
+    shared.remove(0)
+    shared.remove(2)
+    assert not shared.ids and not shared.counts
