@@ -50,6 +50,7 @@ def generate(
     expert_offload: ExpertOffloadOpt = ExpertOffload.none,
     expert_cache_gb: ExpertCacheGbOpt = None,
     gpu_experts: GpuExpertsOpt = None,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV pages and linear-attention state of prompt prefixes shared within the batch (exact on CPU; not yet checked on a GPU, so off by default).")] = False,
 ) -> None:
     """Generate completions for a batch of prompts."""
     from freetoken.cli.prompts import read_prompts
@@ -65,7 +66,7 @@ def generate(
 
         raise FreetokenError("--num-draft-tokens needs a spec method (--spec mtp or dflash)")
     config = EngineConfig(device=device, dtype=dtype.value, max_num_seqs=batch_size, mem_fraction=mem_fraction, spec=spec.value, num_draft_tokens=k, seed=seed,
-                          max_model_len=8192, tensor_parallel=tensor_parallel, expert_offload=offload)
+                          max_model_len=8192, tensor_parallel=tensor_parallel, expert_offload=offload, prefix_cache=prefix_cache)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
     run_parallel(run_job, GenerateJob(model, texts, config, params, chat, out, stats_json, threads))
@@ -177,6 +178,8 @@ def summary_table(stats):
     table.add_row("target steps", str(stats.decode_steps))
     if stats.num_preemptions:
         table.add_row("preemptions", str(stats.num_preemptions))
+    if stats.prefix_cache_hits:
+        table.add_row("cached prompt tokens", f"{stats.cached_prompt_tokens} ({stats.prefix_cache_hit_rate:.1%} of prefill, {stats.prefix_cache_hits} hits)")
     if stats.num_draft_tokens:
         table.add_row("draft tokens (k)", str(stats.num_draft_tokens))
         table.add_row("acceptance per position", "  ".join(f"{a:.3f}" for a in stats.acceptance_per_position))

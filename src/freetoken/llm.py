@@ -74,6 +74,9 @@ class RunStats:
     num_draft_tokens: int
     acceptance_per_position: list[float]  # P(draft i accepted) per verify
     mean_accepted_len: float  # tokens emitted per request per target step (accepted drafts + 1)
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache gave instead of a prefill (preempted requests count per admission)
+    prefix_cache_hits: int = 0  # admissions that reused a cached prefix
+    prefix_cache_hit_rate: float = 0.0  # cached prompt tokens / (cached + prefilled)
 
     @property
     def tokens_per_second(self) -> float:
@@ -170,6 +173,10 @@ class LLM:
             acceptance_per_position=[a / s.num_verifies for a in s.accepted_per_position] if s.num_verifies else [],
             mean_accepted_len=(sum(sum(r.accepted_lens) for r in requests) / s.num_verifies + 1.0) if s.num_verifies else 1.0,
         )
+        if engine.prefix_cache is not None:
+            cached = engine.prefix_cache.stats.cached_tokens
+            stats = replace(stats, cached_prompt_tokens=cached, prefix_cache_hits=engine.prefix_cache.stats.hits,
+                            prefix_cache_hit_rate=cached / (cached + s.prefill_tokens) if cached + s.prefill_tokens else 0.0)
         return requests, stats
 
     def generate(self, prompts: Sequence[str], params: SamplingParams, chat: bool = False, config: EngineConfig | None = None, on_step=None) -> tuple[list[Completion], RunStats]:
