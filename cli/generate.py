@@ -22,6 +22,8 @@ from freetoken.cli._options import (
 # Measured on the embedded model (CPU: k=1 54.7 vs k=3 50.4 tokens/s; GPU batch 50: k=1 1437, k=2 900,
 # k=3 853, k=4 1003 tokens/s): one draft is the fastest setting there.
 DEFAULT_NUM_DRAFT_TOKENS = 1
+PREFIX_CACHE_HELP = ("Reuse the KV pages and linear-attention state of prompt prefixes shared within the batch "
+                     "(exact on CPU; not yet checked on a GPU, so off by default).")
 DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def __init__(self):"]
 
 
@@ -50,7 +52,7 @@ def generate(
     expert_offload: ExpertOffloadOpt = ExpertOffload.none,
     expert_cache_gb: ExpertCacheGbOpt = None,
     gpu_experts: GpuExpertsOpt = None,
-    prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV pages and linear-attention state of prompt prefixes shared within the batch (exact on CPU; not yet checked on a GPU, so off by default).")] = False,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP)] = False,
 ) -> None:
     """Generate completions for a batch of prompts."""
     from freetoken.cli.prompts import read_prompts
@@ -179,7 +181,8 @@ def summary_table(stats):
     if stats.num_preemptions:
         table.add_row("preemptions", str(stats.num_preemptions))
     if stats.prefix_cache_hits:
-        table.add_row("cached prompt tokens", f"{stats.cached_prompt_tokens} ({stats.prefix_cache_hit_rate:.1%} of prefill, {stats.prefix_cache_hits} hits)")
+        share = f"{stats.prefix_cache_hit_rate:.1%} of prefill, {stats.prefix_cache_hits} hits"
+        table.add_row("cached prompt tokens", f"{stats.cached_prompt_tokens} ({share})")
     if stats.num_draft_tokens:
         table.add_row("draft tokens (k)", str(stats.num_draft_tokens))
         table.add_row("acceptance per position", "  ".join(f"{a:.3f}" for a in stats.acceptance_per_position))

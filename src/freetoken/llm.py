@@ -74,7 +74,7 @@ class RunStats:
     num_draft_tokens: int
     acceptance_per_position: list[float]  # P(draft i accepted) per verify
     mean_accepted_len: float  # tokens emitted per request per target step (accepted drafts + 1)
-    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache gave instead of a prefill (preempted requests count per admission)
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled (counted per admission)
     prefix_cache_hits: int = 0  # admissions that reused a cached prefix
     prefix_cache_hit_rate: float = 0.0  # cached prompt tokens / (cached + prefilled)
 

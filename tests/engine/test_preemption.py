@@ -31,3 +31,22 @@ def test_preempted_requests_equal_an_uncontended_run(spec, k, tiny_checkpoint):
     got, stats = _outputs(model, block_size=4, num_kv_blocks=12, spec=spec, num_draft_tokens=k)
     assert stats.num_preemptions > 0
     assert got == expected
+
+
+def test_recompute_gives_a_prompt_of_whole_chunks_the_same_gdn_state(tiny_checkpoint):
+    """A 128-token prompt: its first prefill covers 127 rows (the last token is decoded), so positions
+    64..126 run the recurrence; the recompute after a preemption also covers the generated tokens and
+    must give those positions the same rule, hence the same state bits (fp32, CPU)."""
+    import torch
+
+    model = load_unified(tiny_checkpoint(TinySpec())[1], with_mtp=False)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=1, max_model_len=256, overlap=False))
+    request = engine.add_request([(i * 37 + 11) % 256 for i in range(128)], greedy(10))
+    while len(request.output_token_ids) < 5:
+        engine.step()
+    state, num_tokens = engine.state_pool.state.recurrent[:, request.state_slot].clone(), request.num_cached_tokens
+    engine.scheduler.preempt(request)
+    while request.in_prefill or request.num_cached_tokens < num_tokens:
+        engine.step()
+    assert request.num_cached_tokens == num_tokens
+    assert torch.equal(engine.state_pool.state.recurrent[:, request.state_slot], state)

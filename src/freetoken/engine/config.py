@@ -25,7 +25,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode/verify forwards as CUDA graphs where supported (dense, CUDA, Triton)
     overlap: bool = True  # greedy decode without drafts: launch step n+1 before reading step n's tokens back (engine.py)
     expert_offload: ExpertOffloadConfig = field(default_factory=ExpertOffloadConfig)  # MoE experts off the device (eager path)
-    prefix_cache: bool = False  # reuse the KV pages and linear state of prompt prefixes computed earlier in the run (engine/prefix_cache.py)
+    prefix_cache: bool = False  # reuse KV pages and linear state of prompt prefixes computed earlier in the run (prefix_cache.py)
     prefix_snapshot_mib: float = 1024.0  # the prefix cache's budget for linear-state snapshots (hybrid models)
 
     def __post_init__(self):

@@ -112,8 +112,11 @@ class LLMEngine:
         self.graphs = DecodeGraphs(model, self.kv_pool, self.state_pool, self.device, max_blocks_per_seq, config.max_num_seqs,
                                    export_layers=self.spec.target_layers) if use_graphs else None
         self.scheduler = Scheduler(self.kv_pool, self.state_pool, config.max_num_seqs, config.max_num_batched_tokens, k, config.prefill_align)
-        self.prefix_cache = self.scheduler.prefix_cache = PrefixCache(
-            self.kv_pool, self.state_pool, self.spec, self.scheduler.prefill_align, int(config.prefix_snapshot_mib * 2**20)) if config.prefix_cache else None
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache:
+            snapshot_bytes, align = int(config.prefix_snapshot_mib * 2**20), self.scheduler.prefill_align
+            self.prefix_cache = PrefixCache(self.kv_pool, self.state_pool, self.spec, align, snapshot_bytes)
+            self.scheduler.prefix_cache = self.prefix_cache
         self.eos_ids = set(model.eos_token_ids)
         self.stats = StepStats(accepted_per_position=[0] * k)
         self._next_id = 0

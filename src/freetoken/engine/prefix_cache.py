@@ -67,14 +67,17 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, kv_pool: KVPool, state_pool: LinearStatePool | None, spec: SpecMethod, prefill_align: int, snapshot_budget_bytes: int):
+    def __init__(self, kv_pool: KVPool, state_pool: LinearStatePool | None, spec: SpecMethod, prefill_align: int,
+                 snapshot_budget_bytes: int):
         self.kv_pool, self.spec = kv_pool, spec
         self.block_size = kv_pool.block_size
         self.lookahead = int(getattr(spec, "pages_hold_draft_rows", False))
         self.prefill_align = prefill_align
         self.hybrid = state_pool is not None
         exact_snapshots = prefill_align % CHUNK == 0  # else the GDN rule of a position depends on where the prefill was cut
-        self.snapshots = SnapshotStore(state_pool, snapshot_budget_bytes if exact_snapshots else 0, kv_pool.num_blocks) if self.hybrid else None
+        self.snapshots = None
+        if self.hybrid:
+            self.snapshots = SnapshotStore(state_pool, snapshot_budget_bytes if exact_snapshots else 0, kv_pool.num_blocks)
         self.cut_multiple = math.lcm(self.block_size, prefill_align) if self.hybrid else self.block_size
         self.shared = SharedPrefixes(self.block_size)
         self.root = Node((), -1, None, 0)
@@ -152,7 +155,7 @@ class PrefixCache:
             path.append(node)
         if self.hybrid:
             chunkable = request.chunkable_end(self.prefill_align)
-            while path and not (path[-1].snapshot is not None and min(path[-1].num_tokens, chunkable) == path[-1].snapshot_chunked):
+            while path and not _snapshot_fits(path[-1], chunkable):
                 path.pop()
         return path
 
@@ -168,12 +171,14 @@ class PrefixCache:
                 block = request.block_table[page]
                 self.kv_pool.share(block)
                 start = page * self.block_size
-                child = node.children[key] = Node(key, block, node, start + self.block_size, context=self.spec.export_context(request, start, start + self.block_size))
+                stop = start + self.block_size
+                child = node.children[key] = Node(key, block, node, stop, context=self.spec.export_context(request, start, stop))
                 self.num_pages += 1
                 self.context_bytes += _nbytes(child.context)
             self._touch(child)
             node = child
-        if snapshot and self.snapshots is not None and node is not self.root and node.num_tokens == num_tokens and node.snapshot is None:
+        at_boundary = node is not self.root and node.num_tokens == num_tokens
+        if snapshot and self.snapshots is not None and at_boundary and node.snapshot is None:
             node.snapshot = self.snapshots.take(request.state_slot, on_evict=lambda n=node: setattr(n, "snapshot", None))
             node.snapshot_chunked = min(num_tokens, request.chunkable_end(self.prefill_align))
 
@@ -222,6 +227,11 @@ class PrefixCache:
             node = stack.pop()
             stack.extend(node.children.values())
             yield node
+
+
+def _snapshot_fits(node: Node, chunkable_end: int) -> bool:
+    """Whether the node's snapshot is the state a request with this chunkable end would have there."""
+    return node.snapshot is not None and min(node.num_tokens, chunkable_end) == node.snapshot_chunked
 
 
 def _nbytes(context: Any) -> int:

@@ -21,9 +21,9 @@ class SnapshotStore:
         self.live = live
         self.slot_bytes = live.slot_bytes
         self.num_slots = min(max_slots, budget_bytes // self.slot_bytes)
-        state = live.state
+        conv, recurrent = live.state.conv, live.state.recurrent
         self.pool = LinearStatePool(
-            state.conv.shape[0], self.num_slots, tuple(state.conv.shape[2:]), tuple(state.recurrent.shape[2:]), state.conv.dtype, state.conv.device,
+            conv.shape[0], self.num_slots, tuple(conv.shape[2:]), tuple(recurrent.shape[2:]), conv.dtype, conv.device,
             _specs_like(live),
         ) if self.num_slots else None
         self.free_slots = list(range(self.num_slots - 1, -1, -1))

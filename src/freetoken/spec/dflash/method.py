@@ -151,7 +151,7 @@ class DFlashMethod:
     def export_context(self, request: Request, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the context rows [start, stop) -> K, V [L, kv, stop - start, hd]."""
         if rows_held(request) < stop:
-            raise RuntimeError(f"request {request.request_id}: export of DFlash context rows to {stop}, it holds {rows_held(request)}")
+            raise RuntimeError(f"request {request.request_id}: DFlash context rows up to {stop} asked, {rows_held(request)} held")
         keys, values = request.draft_state.rows()
         return keys[:, :, start:stop].clone(), values[:, :, start:stop].clone()
 
