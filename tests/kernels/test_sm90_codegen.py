@@ -31,21 +31,21 @@ i32 = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
 # The router logits' row stride is 16-aligned (moe_gate_triton), so specialised.
 built = {
     "gate_up": ptx(m._gate_up_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16"} | i32
-                   | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "ready_ptr": "*i32"},
+                   | {"logits_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "ready_ptr": "*i32", "slot_ptr": "*i32"},
                    ("T", "H", "I", "C", "stride_xm", "stride_we", "stride_wn", "stride_hm", "stride_l", "E"),
                    dict(ROW_K=9, BLOCK_M=mr.BLOCK_M, BLOCK_N=m.GATE_UP_BLOCK_N, BLOCK_K=m.GATE_UP_BLOCK_K, DOT_F32=False,
-                        ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, REP=m.GATE_UP_WARPS, PDL=True),
+                        ROUTE_HERE=True, TOP_K=8, TOP_K_POW2=8, BLOCK_E=256, ROW_READY=True, REP=m.GATE_UP_WARPS, SLOTTED=False, PDL=True),
                    {"num_warps": m.GATE_UP_WARPS, "num_stages": m.GATE_UP_STAGES}, unspecialised=("T", "E")),
 }
 # The combines (in down, on their own, in the next add + norm) fuse no product into a sum (fma).
 for combine_in_down in (False, True):
     built["down" if not combine_in_down else "down_combine"] = ptx(
         m._down_kernel, {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"} | i32
-        | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32"},
+        | {"experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16", "counter_ptr": "*i32", "logits_ptr": "*bf16", "ready_ptr": "*i32", "slot_ptr": "*i32"},
         ("T", "H", "I", "C", "stride_hm", "stride_we", "stride_wn", "stride_om", "N", "first", "stride_sm", "stride_gm", "stride_ym", "stride_l", "E", "up_tiles"),
         dict(BLOCK_M=mr.BLOCK_M, BLOCK_N=m.DOWN_BLOCK_N, BLOCK_K=m.DOWN_BLOCK_K, DOT_F32=False, COMBINE=combine_in_down, TOP_K=8, TOP_K_POW2=8,
              ROW_K=9, BLOCK_TOK=m.BLOCK_TOK, SHARED=True, ROUTE_HERE=True, BLOCK_E=256, ROW_READY=True, PERIOD=64,
-             WEIGHTED_BY_ID=not combine_in_down, REP=m.DOWN_WARPS, PDL=True),  # the decode step's ("down"): its combine deferred to the exit
+             WEIGHTED_BY_ID=not combine_in_down, REP=m.DOWN_WARPS, SLOTTED=False, PDL=True),  # the decode step's ("down"): its combine deferred to the exit
         {"num_warps": m.DOWN_WARPS, "num_stages": m.DOWN_STAGES}, unspecialised=("T", "N", "first", "E", "up_tiles"))
 built["combine"] = ptx(m._combine_kernel, {"out_ptr": "*bf16", "experts_ptr": "*i32", "weights_ptr": "*bf16", "shared_ptr": "*bf16", "gate_ptr": "*bf16", "y_ptr": "*bf16"},
                        ("N", "H", "first", "C", "stride_om", "stride_sm", "stride_gm", "stride_ym"),
