@@ -184,7 +184,9 @@ class PrefixCache:
 
     def _cut(self, request: Request) -> int:
         """Where the request's prefill should end a piece so that the state there can be snapshotted for
-        other live prompts sharing its prefix (0: nowhere)."""
+        other live prompts sharing its prefix (0: nowhere, also when a hybrid model's state cannot be kept)."""
+        if self.hybrid and not self.snapshots.num_slots:
+            return 0
         shared = self.shared.shared_pages(request.request_id) * self.block_size
         end = min(shared, request.num_prefill_tokens - 1)
         if self.hybrid:
