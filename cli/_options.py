@@ -32,7 +32,7 @@ class DType(str, Enum):
 
 ModelArg = Annotated[Optional[str], typer.Argument(help="Unified checkpoint, HF checkpoint (dir or cached repo id) or GGUF file; omit for the embedded default model.", show_default=False)]
 PromptOpt = Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")]
-PromptsFileOpt = Annotated[Optional[Path], typer.Option("--prompts", help="Prompts file: .jsonl ({\"prompt\": ...} per line) or .txt (one per line).")]
+PromptsFileOpt = Annotated[Optional[Path], typer.Option("--prompts", help="Prompts file: .jsonl ({\"prompt\": ..., \"images\": [paths]} per line; <image> marks where an image goes, else images lead) or .txt (one per line).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Compute dtype.")]
 MaxNewTokensOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Tokens to generate per prompt.")]

@@ -55,13 +55,14 @@ def generate(
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP)] = False,
 ) -> None:
     """Generate completions for a batch of prompts."""
-    from freetoken.cli.prompts import read_prompts
+    from freetoken.cli.prompts import read_prompts_with_images
     from freetoken.engine.config import EngineConfig
     from freetoken.layers.offload_config import ExpertOffloadConfig
     from freetoken.sampling import SamplingParams
 
     offload = ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts)
-    texts = read_prompts(prompt, prompts, default=DEFAULT_PROMPTS)
+    texts, images = read_prompts_with_images(prompt, prompts, default=DEFAULT_PROMPTS)
+    _check_image_files(images)
     k = {Spec.mtp: num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS, Spec.dflash: num_draft_tokens or 0}.get(spec, 0)  # dflash 0: the LLM takes block size - 1
     if spec is Spec.none and num_draft_tokens:
         from freetoken.errors import FreetokenError
@@ -71,7 +72,16 @@ def generate(
                           max_model_len=8192, tensor_parallel=tensor_parallel, expert_offload=offload, prefix_cache=prefix_cache)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-    run_parallel(run_job, GenerateJob(model, texts, config, params, chat, out, stats_json, threads))
+    run_parallel(run_job, GenerateJob(model, texts, config, params, chat, out, stats_json, threads, images if any(images) else None))
+
+
+def _check_image_files(images: list[list[str]]) -> None:
+    """A missing image file fails the command before the model loads."""
+    from freetoken.errors import FreetokenError
+
+    for path in (Path(p) for paths in images for p in paths):
+        if not path.is_file():
+            raise FreetokenError("image file not found", path)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class GenerateJob:
     out: Path | None
     stats_json: Path | None
     threads: int
+    images: list[list[str]] | None = None  # per prompt, its image paths (JSONL "images")
 
 
 def run_parallel(fn, job) -> list:
@@ -122,7 +133,7 @@ def run_job(parallel, job: GenerateJob) -> None:
         console.print(describe_weight_memory(llm.model))
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True, disable=not lead) as bar:
         task = bar.add_task("generate", total=len(job.texts))
-        completions, stats = llm.generate(job.texts, job.params, chat=job.chat, on_step=lambda done: bar.advance(task, len(done)))
+        completions, stats = llm.generate(job.texts, job.params, chat=job.chat, on_step=lambda done: bar.advance(task, len(done)), images=job.images)
     if not lead:
         return
     if job.out is not None:

@@ -1,4 +1,9 @@
-"""Reading prompts from the command line or a file."""
+"""Reading prompts from the command line or a file.
+
+A .jsonl line is a JSON string or an object {"prompt": "...", "images": ["a.png", ...]}; image paths
+are relative to the prompts file's folder. Where the images go in the prompt: freetoken/image_prompts.py
+(`<image>` markers, else in front of the text).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,13 @@ from freetoken.errors import FreetokenError
 
 
 def read_prompts(prompt: list[str] | None, prompts_file: Path | None, default: list[str] | None = None) -> list[str]:
+    return read_prompts_with_images(prompt, prompts_file, default)[0]
+
+
+def read_prompts_with_images(prompt: list[str] | None, prompts_file: Path | None, default: list[str] | None = None) -> tuple[list[str], list[list[str]]]:
+    """(prompts, each prompt's image paths)."""
     prompts = list(prompt or [])
+    images: list[list[str]] = [[] for _ in prompts]
     if prompts_file is not None:
         if not prompts_file.is_file():
             raise FreetokenError("prompts file not found", prompts_file)
@@ -25,11 +36,18 @@ def read_prompts(prompt: list[str] | None, prompts_file: Path | None, default: l
                 value = item.get("prompt", item.get("text")) if isinstance(item, dict) else item
                 if not isinstance(value, str):
                     raise FreetokenError(f"line {n} has no \"prompt\" string", prompts_file)
+                paths = item.get("images", []) if isinstance(item, dict) else []
+                if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+                    raise FreetokenError(f"line {n}: \"images\" must be a list of paths", prompts_file)
                 prompts.append(value)
+                images.append([str(prompts_file.parent / p) for p in paths])
         else:
-            prompts += [line for line in text.splitlines() if line.strip()]
+            lines = [line for line in text.splitlines() if line.strip()]
+            prompts += lines
+            images += [[] for _ in lines]
     if not prompts:
         if default is None:
             raise FreetokenError("no prompts: give --prompt TEXT or --prompts FILE")
         prompts = list(default)
-    return prompts
+        images = [[] for _ in prompts]
+    return prompts, images

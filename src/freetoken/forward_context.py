@@ -77,11 +77,22 @@ class GDNStash:
     fused: bool = False  # the recurrence prepares its inputs itself (the Triton path)
 
 
+@dataclass(frozen=True)
+class ImageEmbeds:
+    """Rows of a step whose token embedding is replaced by an image feature."""
+
+    rows: torch.Tensor  # [M] int64 rows of the step
+    values: torch.Tensor  # [M, H] the features
+
+    def apply(self, embeds: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        return embeds.index_copy(0, self.rows, self.values.to(embeds.dtype))
+
+
 @dataclass
 class ForwardContext:
     mode: ForwardMode
     input_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N], or [3, N] (t, h, w) when some row of an image prompt has unequal mRoPE rows
     slot_mapping: torch.Tensor  # [N] int64: KV slot of each row
     seqs: list[SeqRows]
     kv: KVCache
@@ -89,3 +100,4 @@ class ForwardContext:
     # VERIFY only: the rows each stateful layer keeps for its commit, keyed by the layer (a GDN layer by
     # its linear ordinal -> GDNStash; another layer by its own name, e.g. qwen4_exp's "ple.0" -> its gvn rows)
     stash: dict[int | str, Any] = field(default_factory=dict)
+    image_embeds: ImageEmbeds | None = None  # image features replacing the embeddings of image-pad rows

@@ -3,7 +3,8 @@
 `LLM(model)` accepts a unified checkpoint, a Hugging Face checkpoint or a GGUF file (converted once
 into the cache directory, `FREETOKEN_CACHE` or ~/.cache/freetoken), or None for the small model that
 ships inside the package. It loads the target (and its draft head when a spec method asks for it),
-builds the engine and runs batches of text prompts.
+builds the engine and runs batches of text prompts, which may carry images (image_prompts.py) when
+the checkpoint has a vision tower.
 
 Under tensor parallelism every rank constructs its own `LLM(..., parallel=ctx)` inside a worker
 started by `freetoken.distributed.launch` (the CLI's `--tensor-parallel N` does this): each loads
@@ -123,6 +124,7 @@ class LLM:
             )
             if not self.config.num_draft_tokens:
                 self.config = replace(self.config, num_draft_tokens=self.model.attached_drafts["dflash"].config.block_size - 1)
+        self._vision_tower = None  # loaded with the first image prompt
         self.tokenizer = None
         if self.checkpoint.tokenizer_path is not None:
             from tokenizers import Tokenizer
@@ -137,6 +139,47 @@ class LLM:
             prompt = self.apply_chat_template(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False).ids
 
+    def encode_with_images(self, prompt: str, images: Sequence, chat: bool = False):
+        """(token ids with the images laid out, RequestImages) of a prompt and its images (paths or PIL
+        images); the markers and placement rules are image_prompts.py's."""
+        from freetoken import image_prompts
+
+        self._check_images()
+        if self.tokenizer is None:
+            raise FreetokenError("the checkpoint has no tokenizer.json; image prompts need one", self.path)
+        text = image_prompts.with_markers(prompt, len(images))
+        if chat:
+            text = self.apply_chat_template(text)
+        tokens = image_prompts.ImageTokenIds.from_config(self.checkpoint.config)
+        ids = image_prompts.marked_token_ids(text, lambda s: self.tokenizer.encode(s, add_special_tokens=False).ids, tokens)
+        return image_prompts.request_images(ids, images, self.checkpoint.config, self.image_processing)
+
+    def _check_images(self) -> None:
+        if "vision_config" not in self.checkpoint.config or "model.visual.patch_embed.proj.weight" not in self.checkpoint:
+            raise FreetokenError("the checkpoint has no vision tower, so it cannot take image prompts", self.path)
+        if self.checkpoint.family != "qwen3_5":
+            raise FreetokenError(f"image prompts are not supported for the {self.checkpoint.family} family yet", self.path)
+
+    @property
+    def image_processing(self):
+        """The checkpoint's ImageProcessing (its manifest's, else Qwen3-VL's scaled to the patch size)."""
+        from freetoken.models.vision.config import ImageProcessing, VisionConfig
+
+        config = self.checkpoint.config
+        if "image_processing" in config:
+            return ImageProcessing.from_dict(config["image_processing"])
+        return ImageProcessing.from_hf(None, VisionConfig.from_dict(config["vision_config"]))
+
+    @property
+    def vision_tower(self):
+        if self._vision_tower is None:
+            from freetoken.models.vision.load import load_vision_tower
+
+            self._check_images()
+            self._vision_tower = load_vision_tower(self.checkpoint, self.checkpoint.config["vision_config"], device=self.config.device,
+                                                   dtype=self.config.torch_dtype, origin=str(self.path))
+        return self._vision_tower
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
 
@@ -150,15 +193,18 @@ class LLM:
         return env.from_string(template).render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
 
     # -- generation ----------------------------------------------------------------------------------
-    def make_engine(self, config: EngineConfig | None = None):
+    def make_engine(self, config: EngineConfig | None = None, with_images: bool = False):
         from freetoken.engine.engine import LLMEngine
 
-        return LLMEngine(self.model, config or self.config, origin=str(self.path))
+        return LLMEngine(self.model, config or self.config, origin=str(self.path), vision_tower=self.vision_tower if with_images else None)
 
-    def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], config: EngineConfig | None = None, on_step=None):
-        engine = self.make_engine(config)
+    def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], config: EngineConfig | None = None, on_step=None,
+                     images: Sequence | None = None):
+        """images: per prompt, its RequestImages (encode_with_images) or None."""
+        with_images = images is not None and any(i is not None for i in images)
+        engine = self.make_engine(config, with_images)
         start = time.perf_counter()
-        requests = engine.generate(prompts, params, on_step=on_step)
+        requests = engine.generate(prompts, params, on_step=on_step, images=images if with_images else None)
         seconds = time.perf_counter() - start
         s = engine.stats
         k = engine.spec.num_draft_tokens
@@ -179,9 +225,15 @@ class LLM:
                             prefix_cache_hit_rate=cached / (cached + s.prefill_tokens) if cached + s.prefill_tokens else 0.0)
         return requests, stats
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams, chat: bool = False, config: EngineConfig | None = None, on_step=None) -> tuple[list[Completion], RunStats]:
-        ids = [self.encode(p, chat) for p in prompts]
-        requests, stats = self.generate_ids(ids, params, config, on_step)
+    def generate(self, prompts: Sequence[str], params: SamplingParams, chat: bool = False, config: EngineConfig | None = None, on_step=None,
+                 images: Sequence[Sequence] | None = None) -> tuple[list[Completion], RunStats]:
+        """images: per prompt, a list of image paths or PIL images (empty for a text prompt)."""
+        if images is None or not any(images):
+            ids, laid_out = [self.encode(p, chat) for p in prompts], None
+        else:
+            encoded = [self.encode_with_images(p, im, chat) if im else (self.encode(p, chat), None) for p, im in zip(prompts, images)]
+            ids, laid_out = [e[0] for e in encoded], [e[1] for e in encoded]
+        requests, stats = self.generate_ids(ids, params, config, on_step, laid_out)
         completions = [
             Completion(p, r.prompt_token_ids, r.output_token_ids, self.decode(r.output_token_ids), r.finish_reason, r.accepted_lens)
             for p, r in zip(prompts, requests)

@@ -61,3 +61,44 @@ def test_norm_rope_store_hand_case(device):
     out = rope_triton.norm_rope_store(q, k, v, w, w, 0.0, torch.tensor([1], device=device), inv_freq, kc, vc, torch.tensor([0], device=device))
     c, s = torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))
     torch.testing.assert_close(out[0, 0].cpu(), torch.stack([1.2 * c, 1.6 * c, 1.2 * s, 1.6 * s]), rtol=1e-5, atol=1e-6)
+
+
+def _three_rows(pos: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """[3, N] positions: rows 1 and 2 differ from row 0 on about half the rows (image rows), equal elsewhere."""
+    rows = pos.cpu().expand(3, -1).clone()
+    image = torch.rand(pos.shape[0], generator=gen) < 0.5
+    rows[1:, image] += torch.randint(0, 40, (2, int(image.sum())), generator=gen)
+    return rows.to(pos.device).contiguous()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_store_mrope_matches_reference(device, dtype):
+    n = 6 if device == "cpu" else 300
+    d, rot, section = (32, 16, (4, 2, 2)) if device == "cpu" else (256, 64, (11, 11, 10))
+    q, k, v, qw, kw, pos, inv_freq, (kc, vc), slots = make(device, dtype, n, d=d, rot=rot, slots=2 * n)
+    pos3 = _three_rows(pos, torch.Generator().manual_seed(1))
+    got_q = rope_triton.norm_rope_store(q, k, v, qw, kw, 1e-6, pos3, inv_freq, kc, vc, slots, mrope_section=section)
+    want_q = apply_rope(norm_ref.zc_rms_norm(q, qw, 1e-6), pos3, inv_freq, section)
+    want_k = apply_rope(norm_ref.zc_rms_norm(k, kw, 1e-6), pos3, inv_freq, section)
+    kc_ref, vc_ref = torch.zeros_like(kc), torch.zeros_like(vc)
+    store_kv(want_k, v, kc_ref, vc_ref, slots)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_q.float(), want_q.float(), **tol)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), **tol)
+    # rows whose three positions are equal get exactly the 1-D kernel's bits
+    equal = (pos3 == pos3[0]).all(0)
+    flat = rope_triton.norm_rope_store(q, k, v, qw, kw, 1e-6, pos3[0].contiguous(), inv_freq, kc.clone(), vc.clone(), slots)
+    assert equal.any() and torch.equal(got_q[equal], flat[equal])
+
+
+def test_mrope_reference_reads_the_interleaved_axes():
+    # rotary_dim 12 -> 6 frequencies, section (2, 2, 2): t, h, w, t, h, w; one head, all channels rotated
+    inv_freq = torch.tensor([1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125])
+    x = torch.randn(1, 1, 12, generator=torch.Generator().manual_seed(0))
+    pos3 = torch.tensor([[3], [5], [7]])
+    freqs = torch.tensor([3.0, 5.0, 7.0, 3.0, 5.0, 7.0]) * inv_freq
+    cos, sin = torch.cat([freqs, freqs]).cos(), torch.cat([freqs, freqs]).sin()
+    rotated = torch.cat([-x[..., 6:], x[..., :6]], dim=-1)
+    torch.testing.assert_close(apply_rope(x, pos3, inv_freq, (2, 2, 2)), x * cos + rotated * sin)
+    assert torch.equal(apply_rope(x, torch.tensor([[4], [4], [4]]), inv_freq, (2, 2, 2)), apply_rope(x, torch.tensor([4]), inv_freq))

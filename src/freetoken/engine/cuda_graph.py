@@ -111,7 +111,7 @@ class _Staging(StagingBuffer):
         for i, group in enumerate(groups):
             rows, start = slice(i * r, (i + 1) * r), group.start
             h["input_ids"][rows] = group.token_ids
-            h["positions"][rows] = range(start, start + r)
+            h["positions"][rows] = range(start + group.rope_delta, start + group.rope_delta + r)  # decode rows: past any image
             h["slot_mapping"][rows] = kv_pool.slots(group.block_table, start, start + r)
             h["context_lens"][rows] = range(start + 1, start + r + 1)
             h["slots"][i] = -1 if group.state_slot is None else group.state_slot

@@ -39,6 +39,7 @@ from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.prefix_cache import PrefixCache
 from freetoken.engine.request import Request, RequestStatus
+from freetoken.engine.request_images import RequestImages
 from freetoken.engine.runner import RowGroup, build_context, run_target
 from freetoken.engine.scheduler import PrefillChunk, Scheduler
 from freetoken.engine.spec_protocol import CommittedRows, SpecMethod
@@ -90,8 +91,10 @@ class InFlightStep:
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, origin: str | None = None):
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, origin: str | None = None, vision_tower: torch.nn.Module | None = None):
+        """vision_tower: encodes the images of requests that carry them (models/vision); None: no image prompts."""
         self.model, self.config = merge_projections(model), config
+        self.vision_tower = vision_tower
         self.device = torch.device(config.device)
         k = config.num_draft_tokens
         num_kv_heads, head_dim = model.kv_head_shape
@@ -134,12 +137,15 @@ class LLMEngine:
         return config.max_num_seqs * -(-(config.max_model_len + config.num_draft_tokens + 1) // config.block_size)
 
     # -- requests ------------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
-        if not prompt_token_ids:
-            from freetoken.errors import FreetokenError
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, images: RequestImages | None = None) -> Request:
+        """images: the prompt's images, laid out in prompt_token_ids (their pads expanded)."""
+        from freetoken.errors import FreetokenError
 
+        if not prompt_token_ids:
             raise FreetokenError("empty prompt")
-        request = Request(self._next_id, list(prompt_token_ids), params)
+        if images is not None and self.vision_tower is None:
+            raise FreetokenError("this checkpoint has no vision tower, so it cannot take image prompts")
+        request = Request(self._next_id, list(prompt_token_ids), params, images=images)
         request.generator = sampling.make_generator(params, self._next_id, self.device, self.config.seed)
         self._next_id += 1
         self.scheduler.add(request)
@@ -147,10 +153,12 @@ class LLMEngine:
             self.prefix_cache.add(request)
         return request
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], on_step: Callable[[list[Request]], None] | None = None) -> list[Request]:
-        """Run every prompt to completion; returns the requests in prompt order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], on_step: Callable[[list[Request]], None] | None = None,
+                 images: Sequence[RequestImages | None] | None = None) -> list[Request]:
+        """Run every prompt to completion; returns the requests in prompt order. images: per prompt, or None."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        images_list = list(images) if images is not None else [None] * len(prompts)
+        requests = [self.add_request(p, sp, im) for p, sp, im in zip(prompts, params_list, images_list)]
         while self.has_work:
             finished = self.step()
             if on_step is not None:
@@ -190,10 +198,20 @@ class LLMEngine:
             finished += self._decode(scheduled.decode)
         return finished
 
+    def _encode_images(self, request: Request) -> None:
+        """The request's image features, computed once (a chunked or repeated prefill slices them)."""
+        images = request.images
+        if images is not None and images.features is None:
+            tower = self.vision_tower
+            pixels = images.pixel_values.to(device=self.device, dtype=next(tower.parameters()).dtype)
+            images.features = tower(pixels, images.grids).to(self.config.torch_dtype)
+
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         align = self.scheduler.prefill_align
+        for chunk in chunks:
+            self._encode_images(chunk.request)
         groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length],
-                           chunkable_end=c.request.chunkable_end(align)) for c in chunks]
+                           chunkable_end=c.request.chunkable_end(align), images=c.request.images) for c in chunks]
         ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
         hidden, layer_hidden = run_target(self.model, ctx, self.spec.target_layers)
         committed = []
@@ -263,7 +281,7 @@ class LLMEngine:
         k = self.spec.num_draft_tokens
         proposal = self.spec.propose(requests)
         drafts = proposal.tokens.tolist()
-        groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id] + d) for r, d in zip(requests, drafts)]
+        groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id] + d, images=r.images) for r, d in zip(requests, drafts)]
         hidden, layer_hidden, accepted, next_tokens = self._verify(requests, groups, proposal)
         row_slices = [slice(i * (k + 1), (i + 1) * (k + 1)) for i in range(len(requests))]
         self.stats.decode_steps += 1
@@ -318,7 +336,7 @@ class LLMEngine:
 
         after: the step in flight whose next tokens are this step's input tokens, taken on the device
         (each request's row there); None: the requests' last tokens are known."""
-        groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id]) for r in requests]
+        groups = [RowGroup(r.block_table, r.state_slot, r.num_cached_tokens, [r.last_token_id], images=r.images) for r in requests]
         fed_back_rows = None
         if after is not None:
             row_of = {id(r): i for i, r in enumerate(after.requests)}

@@ -90,7 +90,7 @@ class PrefixCache:
     # -- the requests' lifecycle -------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """A new request: count its prompt among the live ones."""
-        self.shared.add(request.request_id, request.prompt_token_ids)
+        self.shared.add(request.request_id, request.prompt_token_ids[: self._cacheable(request)])
 
     def should_wait(self, request: Request) -> bool:
         """Whether admitting the request should wait for another request to finish computing a prefix it shares."""
@@ -139,6 +139,13 @@ class PrefixCache:
         self.shared.stop_computing(request.request_id)
 
     # -- the tree --------------------------------------------------------------------------------
+    def _cacheable(self, request: Request) -> int:
+        """Tokens whose pages may be shared, their lookahead keys included: all, or for an image prompt those
+        whose keys end before its first image pad (pads look the same for every image)."""
+        if request.images is None:
+            return len(request.token_ids)
+        return max(request.images.first_pad - self.lookahead, 0)
+
     def _key(self, tokens: list[int], page: int) -> tuple[int, ...]:
         start = page * self.block_size
         return tuple(tokens[start : start + self.block_size + self.lookahead])
@@ -147,7 +154,7 @@ class PrefixCache:
         """The longest cached path the request may reuse: at most its prefill rows less one, ending at a
         node with a fitting state snapshot on hybrid models."""
         tokens, node, path = request.token_ids, self.root, []
-        limit = request.num_prefill_tokens - 1
+        limit = min(request.num_prefill_tokens - 1, self._cacheable(request))
         while (len(path) + 1) * self.block_size <= limit:
             node = node.children.get(self._key(tokens, len(path)))
             if node is None:
@@ -163,7 +170,7 @@ class PrefixCache:
         """Cache the full pages of the request's first num_tokens tokens (committed), and with `snapshot`
         the linear state of its slot, which must be at exactly num_tokens tokens."""
         tokens, node = request.token_ids, self.root
-        num_pages = min(num_tokens, len(tokens) - self.lookahead) // self.block_size
+        num_pages = min(num_tokens, len(tokens) - self.lookahead, self._cacheable(request)) // self.block_size
         for page in range(num_pages):
             key = self._key(tokens, page)
             child = node.children.get(key)

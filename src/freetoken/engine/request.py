@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from freetoken.engine.request_images import RequestImages
 from freetoken.sampling import SamplingParams
 
 
@@ -34,6 +35,7 @@ class Request:
     num_preemptions: int = 0
     num_target_steps: int = 0  # decode/verify forwards that produced tokens for this request
     accepted_lens: list[int] = field(default_factory=list)  # accepted drafts per verify
+    images: RequestImages | None = None  # the prompt's images (their pads already expanded in prompt_token_ids)
 
     @property
     def token_ids(self) -> list[int]:

@@ -176,15 +176,18 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return norm_ref.gated_rms_norm(x, gate, weight, eps, act)
 
 
-def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch: "Span | None" = None) -> torch.Tensor:
-    """zc_rms_norm then partial RoPE of q [N, Hq, D] and k [N, Hkv, D]; k and v [N, Hkv, D] stored at
-    slot_mapping [N] in the caches [num_slots, Hkv, D]; returns the rotated q. prefetch: `l2_span`'s."""
+def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch: "Span | None" = None,
+                    mrope_section: tuple[int, ...] = ()) -> torch.Tensor:
+    """zc_rms_norm then partial RoPE of q [N, Hq, D] and k [N, Hkv, D] at positions [N] (or [3, N], interleaved
+    mRoPE over mrope_section); k and v [N, Hkv, D] stored at slot_mapping [N] in the caches [num_slots, Hkv, D];
+    returns the rotated q. prefetch: `l2_span`'s."""
     if use_triton(q):
         from freetoken.kernels import rope_triton
 
-        return rope_triton.norm_rope_store(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch)
-    q = apply_rope(norm_ref.zc_rms_norm(q, q_weight, eps), positions, inv_freq)
-    k = apply_rope(norm_ref.zc_rms_norm(k, k_weight, eps), positions, inv_freq)
+        return rope_triton.norm_rope_store(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch,
+                                           mrope_section)
+    q = apply_rope(norm_ref.zc_rms_norm(q, q_weight, eps), positions, inv_freq, mrope_section)
+    k = apply_rope(norm_ref.zc_rms_norm(k, k_weight, eps), positions, inv_freq, mrope_section)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
 

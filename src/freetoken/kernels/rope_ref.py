@@ -1,6 +1,9 @@
 """Partial NeoX-style rotary embedding (reference).
 
-Text-only positions make interleaved mRoPE collapse to 1-D RoPE, so one position per row suffices.
+Text-only positions make interleaved mRoPE collapse to 1-D RoPE, so one position per row suffices
+there. Rows of an image prompt carry three positions (t, h, w): frequency i takes the h position when
+i % 3 == 1 and i < 3 * section[1], the w position when i % 3 == 2 and i < 3 * section[2], else the t
+position (interleaved mRoPE). Equal rows give exactly the 1-D result.
 Only the first `rotary_dim` channels of each head rotate; channel i pairs with i + rotary_dim / 2.
 """
 
@@ -15,10 +18,21 @@ def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
     return 1.0 / (theta**exponents)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim], positions [N] -> x with its first 2 * len(inv_freq) channels rotated."""
+def mrope_axes(half: int, mrope_section: tuple[int, ...]) -> list[int]:
+    """Which of (t, h, w) each of the half rotary frequencies reads (interleaved mRoPE)."""
+    s_h, s_w = mrope_section[1], mrope_section[2]
+    return [1 if i % 3 == 1 and i < 3 * s_h else 2 if i % 3 == 2 and i < 3 * s_w else 0 for i in range(half)]
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: tuple[int, ...] = ()) -> torch.Tensor:
+    """x [N, heads, head_dim], positions [N] (or [3, N] with mrope_section) -> x with its first
+    2 * len(inv_freq) channels rotated."""
     rotary_dim = 2 * inv_freq.shape[0]
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, rotary_dim / 2]
+    if positions.dim() == 2:
+        axes = torch.tensor(mrope_axes(inv_freq.shape[0], mrope_section), device=positions.device)
+        freqs = positions.float()[axes, :].t() * inv_freq[None, :]  # [N, rotary_dim / 2]
+    else:
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, rotary_dim / 2]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos = emb.cos().to(x.dtype)[:, None, :]
     sin = emb.sin().to(x.dtype)[:, None, :]

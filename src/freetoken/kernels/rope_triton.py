@@ -4,7 +4,10 @@ One launch replaces the attention layer's q_norm, k_norm, two rotations and the 
 Program (r, j) takes row r and head j of [q heads | k heads]: it normalises the head in fp32,
 multiplies by (1 + w) and rounds to the input dtype (as `zc_rms_norm`), then rotates the first
 rotary_dim channels (channel i pairs with i + rotary_dim / 2) with cos/sin of position * inv_freq
-rounded to the input dtype, each product and the sum rounded as in `rope_ref.apply_rope`. A k head
+rounded to the input dtype, each product and the sum rounded as in `rope_ref.apply_rope`; with MROPE
+the row has three positions (t, h, w) pos_stride apart and frequency i reads the one
+`rope_ref.mrope_axes` names (the h row for i % 3 == 1, i < 3 * S_H; the w row for i % 3 == 2,
+i < 3 * S_W; else t), a gather whose result equals the 1-D one when the three are equal. A k head
 is written straight into the key cache at the row's slot, and the program of k head j also copies
 v head j into the value cache. Rows are independent: nothing depends on the batch.
 """
@@ -24,8 +27,9 @@ NUM_WARPS = 4  # of the fused q/k norm + RoPE + cache write; 2 or 8 the same wit
 def _norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     Hq, D, eps,
-    q_row, q_head, k_row, k_head, v_row, v_head, qo_row, qo_head, cache_slot, cache_head, pf_ptr, pf_lines, num_rows,
+    q_row, q_head, k_row, k_head, v_row, v_head, qo_row, qo_head, cache_slot, cache_head, pf_ptr, pf_lines, num_rows, pos_stride,
     ROT: tl.constexpr, D_PAD: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    MROPE: tl.constexpr = False, S_H: tl.constexpr = 0, S_W: tl.constexpr = 0,
 ):
     if PREFETCH:  # the programs past the launch's rows prefetch the next GEMM's weight (l2_prefetch)
         if tl.program_id(0) >= num_rows:
@@ -55,8 +59,13 @@ def _norm_rope_kernel(
     wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
     yp = (xp * rstd * (1.0 + wp)).to(x_raw.dtype).to(tl.float32)
     yp = tl.where(ds < half, -yp, yp)  # rotate_half: [-x2, x1]
-    pos = tl.load(pos_ptr + r).to(tl.float32)
-    freq = pos * tl.load(inv_freq_ptr + (ds % half), mask=rot, other=0.0)
+    fi = ds % half
+    if MROPE:
+        axis = tl.where((fi % 3 == 1) & (fi < 3 * S_H), 1, tl.where((fi % 3 == 2) & (fi < 3 * S_W), 2, 0))
+        pos = tl.load(pos_ptr + axis * pos_stride + r).to(tl.float32)
+    else:
+        pos = tl.load(pos_ptr + r).to(tl.float32)
+    freq = pos * tl.load(inv_freq_ptr + fi, mask=rot, other=0.0)
     cos = tl.cos(freq).to(x_raw.dtype).to(tl.float32)
     sin = tl.sin(freq).to(x_raw.dtype).to(tl.float32)
     a = compat_triton.mul_rn(y.to(tl.float32), cos).to(x_raw.dtype).to(tl.float32)  # rounded alone, not fused into the sum
@@ -80,27 +89,29 @@ def norm_rope_store(
     q_weight: torch.Tensor,  # [D]
     k_weight: torch.Tensor,  # [D]
     eps: float,
-    positions: torch.Tensor,  # [N]
+    positions: torch.Tensor,  # [N], or [3, N] (t, h, w) with mrope_section
     inv_freq: torch.Tensor,  # [rotary_dim / 2] fp32
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
     v_cache: torch.Tensor,  # [num_slots, Hkv, D]
     slot_mapping: torch.Tensor,  # [N]
     prefetch: l2_prefetch.Span | None = None,
+    mrope_section: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """Normed, rotated q [N, Hq, D] (contiguous); normed, rotated k and raw v land in the caches.
     prefetch: queued by extra programs of the launch (l2_prefetch)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and positions.stride(-1) == 1
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return q_out
     extra, pf_args = l2_prefetch.launch_args(prefetch, hq + hkv, q_out)
+    mrope = {"MROPE": True, "S_H": mrope_section[1], "S_W": mrope_section[2]} if positions.dim() == 2 else {}
     _norm_rope_kernel[(n + extra, hq + hkv)](
         q, k, v, q_weight, k_weight, positions, inv_freq, slot_mapping, q_out, k_cache, v_cache,
         hq, d, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), num_rows=n, **pf_args,
+        k_cache.stride(0), k_cache.stride(1), num_rows=n, pos_stride=positions.stride(0) if positions.dim() == 2 else 0, **pf_args, **mrope,
         ROT=2 * inv_freq.shape[0], D_PAD=triton.next_power_of_2(d), num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return q_out

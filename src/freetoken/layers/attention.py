@@ -33,7 +33,8 @@ def kv_head_range(num_kv_heads: int, parallel: ParallelContext) -> tuple[int, in
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float, eps: float, kv_index: int, parallel: ParallelContext = SINGLE):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_theta: float, eps: float, kv_index: int, parallel: ParallelContext = SINGLE,
+                 mrope_section: tuple[int, ...] = ()):
         super().__init__()
         h0, h1 = parallel.split(num_heads, "attention heads")
         kv0, kv1 = kv_head_range(num_kv_heads, parallel)
@@ -46,6 +47,7 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.rotary_dim, self.rope_theta = rotary_dim, rope_theta
+        self.mrope_section = mrope_section  # (t, h, w) frequency counts for [3, N] positions (interleaved mRoPE)
         self.kv_index = kv_index  # which KV-cache layer this attention owns
         self.scale = head_dim**-0.5
         self.qkv_weight: torch.Tensor | None = None  # [q_gate | k | v] rows once merged (layers/merge.py)
@@ -87,6 +89,6 @@ class GatedAttention(nn.Module):
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
         q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self._inv_freq(x.device), k_cache, v_cache, ctx.slot_mapping,
-                                    prefetch=kernels.l2_span(self.o_proj.weight, x, "out_proj"))
+                                    prefetch=kernels.l2_span(self.o_proj.weight, x, "out_proj"), mrope_section=self.mrope_section)
         out = kernels.paged_attention_batched(q, k_cache, v_cache, kernels.seq_batch(ctx), ctx.kv.block_size, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), defer_sum=defer_sum)

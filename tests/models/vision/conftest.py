@@ -76,6 +76,11 @@ def hf_processor(proc):
     """transformers' Qwen2-VL image processor (PIL backend) with the settings of an ImageProcessing."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(patch_size=proc.patch_size, merge_size=proc.merge_size, temporal_patch_size=proc.temporal_patch_size,
-                                    image_mean=list(proc.image_mean), image_std=list(proc.image_std),
-                                    size={"shortest_edge": proc.min_pixels, "longest_edge": proc.max_pixels})
+    return Qwen2VLImageProcessorPil(
+        patch_size=proc.patch_size,
+        merge_size=proc.merge_size,
+        temporal_patch_size=proc.temporal_patch_size,
+        image_mean=list(proc.image_mean),
+        image_std=list(proc.image_std),
+        size={"shortest_edge": proc.min_pixels, "longest_edge": proc.max_pixels},
+    )

@@ -28,7 +28,9 @@ def test_pixel_values_and_grids_match_transformers(sizes):
 
 
 def test_bounds_from_a_preprocessor_config():
-    vision = VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=64, patch_size=16)
+    vision = VisionConfig(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=64, patch_size=16
+    )
     proc = ImageProcessing.from_hf({"size": {"shortest_edge": 1000, "longest_edge": 5000}, "image_mean": [0.1, 0.2, 0.3]}, vision)
     assert (proc.min_pixels, proc.max_pixels, proc.patch_size, proc.image_mean) == (1000, 5000, 16, (0.1, 0.2, 0.3))
     assert ImageProcessing.from_hf(None, vision).min_pixels == 65536  # Qwen3-VL's own, unscaled at patch 16

@@ -33,7 +33,8 @@ def make_mlp(cfg: Qwen35Config, parallel: ParallelContext = SINGLE) -> nn.Module
 
 
 def make_attention(cfg: Qwen35Config, kv_index: int, parallel: ParallelContext = SINGLE) -> GatedAttention:
-    return GatedAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps, kv_index, parallel)
+    return GatedAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps, kv_index, parallel,
+                          cfg.mrope_section)
 
 
 class DecoderLayer(nn.Module):
@@ -156,6 +157,8 @@ class Qwen35ForCausalLM(nn.Module):
         the residual stream carries them into the next layer), concatenated in that order [N, n * H];
         reading them changes no computation."""
         x, residual = self.embed(ctx.input_ids), None
+        if ctx.image_embeds is not None:
+            x = ctx.image_embeds.apply(x)
         streams: dict[int, torch.Tensor] = {}  # layer -> its output
         for i, layer in enumerate(self.model.layers):
             residual, h = layer.enter(x, residual)

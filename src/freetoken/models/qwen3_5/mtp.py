@@ -40,7 +40,10 @@ class Qwen35MTP(nn.Module):
     def forward(self, ctx: ForwardContext, hidden: torch.Tensor) -> torch.Tensor:
         """ctx.input_ids [N] = x_{t+1}, hidden [N, H] = h_t, ctx.positions = t -> h' [N, H] after mtp.norm."""
         target = self._target[0]
-        e = self.pre_fc_norm_embedding(target.embed(ctx.input_ids))
+        e = target.embed(ctx.input_ids)
+        if ctx.image_embeds is not None:  # an image-pad token x_{t+1} enters as its image feature (as SGLang does)
+            e = ctx.image_embeds.apply(e)
+        e = self.pre_fc_norm_embedding(e)
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
         for layer in self.layers:
             x = layer(x, ctx)

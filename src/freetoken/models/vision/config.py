@@ -42,11 +42,17 @@ class VisionConfig:
         """From an HF `vision_config` dict (as the manifest keeps it)."""
         rope = vision.get("rope_parameters") or {}
         return cls(
-            depth=int(vision["depth"]), hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
-            num_heads=int(vision["num_heads"]), out_hidden_size=int(vision["out_hidden_size"]),
-            num_position_embeddings=int(vision["num_position_embeddings"]), patch_size=int(vision.get("patch_size", 16)),
-            temporal_patch_size=int(vision.get("temporal_patch_size", 2)), spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
-            in_channels=int(vision.get("in_channels", 3)), hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
+            depth=int(vision["depth"]),
+            hidden_size=int(vision["hidden_size"]),
+            intermediate_size=int(vision["intermediate_size"]),
+            num_heads=int(vision["num_heads"]),
+            out_hidden_size=int(vision["out_hidden_size"]),
+            num_position_embeddings=int(vision["num_position_embeddings"]),
+            patch_size=int(vision.get("patch_size", 16)),
+            temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            in_channels=int(vision.get("in_channels", 3)),
+            hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")),
             rope_theta=float(rope.get("rope_theta", vision.get("rope_theta", 10000.0))),
         )
 
@@ -66,8 +72,15 @@ class ImageProcessing:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ImageProcessing":
-        return cls(int(d["patch_size"]), int(d["merge_size"]), int(d["temporal_patch_size"]), int(d["min_pixels"]), int(d["max_pixels"]),
-                   tuple(float(x) for x in d["image_mean"]), tuple(float(x) for x in d["image_std"]))
+        return cls(
+            int(d["patch_size"]),
+            int(d["merge_size"]),
+            int(d["temporal_patch_size"]),
+            int(d["min_pixels"]),
+            int(d["max_pixels"]),
+            tuple(float(x) for x in d["image_mean"]),
+            tuple(float(x) for x in d["image_std"]),
+        )
 
     @classmethod
     def from_hf(cls, preprocessor: dict[str, Any] | None, vision: VisionConfig) -> "ImageProcessing":
@@ -79,8 +92,11 @@ class ImageProcessing:
         min_pixels = p.get("min_pixels", size.get("shortest_edge", round(QWEN3_VL_MIN_PIXELS * scale)))
         max_pixels = p.get("max_pixels", size.get("longest_edge", round(QWEN3_VL_MAX_PIXELS * scale)))
         return cls(
-            patch_size=int(p.get("patch_size", vision.patch_size)), merge_size=int(p.get("merge_size", vision.spatial_merge_size)),
-            temporal_patch_size=int(p.get("temporal_patch_size", vision.temporal_patch_size)), min_pixels=int(min_pixels),
-            max_pixels=int(max_pixels), image_mean=tuple(float(x) for x in p.get("image_mean", (0.5, 0.5, 0.5))),
+            patch_size=int(p.get("patch_size", vision.patch_size)),
+            merge_size=int(p.get("merge_size", vision.spatial_merge_size)),
+            temporal_patch_size=int(p.get("temporal_patch_size", vision.temporal_patch_size)),
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            image_mean=tuple(float(x) for x in p.get("image_mean", (0.5, 0.5, 0.5))),
             image_std=tuple(float(x) for x in p.get("image_std", (0.5, 0.5, 0.5))),
         )

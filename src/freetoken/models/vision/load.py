@@ -14,8 +14,14 @@ PREFIX = "model.visual."
 
 
 @torch.no_grad()
-def load_vision_tower(source: TensorSource, vision_config: dict[str, Any], *, device: torch.device | str, dtype: torch.dtype,
-                      origin: str | None = None) -> VisionTower:
+def load_vision_tower(
+    source: TensorSource,
+    vision_config: dict[str, Any],
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    origin: str | None = None,
+) -> VisionTower:
     """The tower of the manifest's `vision_config`, in `dtype` on `device` (a CheckpointError naming
     `origin` for a missing or misshapen tensor)."""
     with torch.device("meta"):

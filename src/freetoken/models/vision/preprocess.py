@@ -70,7 +70,9 @@ def preprocess(images: Sequence, proc: ImageProcessing) -> tuple[torch.Tensor, l
     std = np.asarray(proc.image_std, dtype=np.float32)[:, None, None]
     patches, grids = [], []
     for image in images:
-        height, width = smart_resize(image.height, image.width, proc.patch_size * proc.merge_size, proc.min_pixels, proc.max_pixels)
+        height, width = smart_resize(
+            image.height, image.width, proc.patch_size * proc.merge_size, proc.min_pixels, proc.max_pixels
+        )
         if (height, width) != (image.height, image.width):
             image = image.resize((width, height), Image.Resampling.BICUBIC)
         pixels = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) * np.float32(1 / 255)

@@ -128,11 +128,14 @@ class VisionTower(nn.Module):
         (h0, h1), (dh0, dh1) = _taps(rows, heights, side)
         (w0, w1), (dw0, dw1) = _taps(cols, widths, side)
         table = self.pos_embed.weight
-        return ((table[h0 * side + w0] * (dh0 * dw0)[:, None] + table[h0 * side + w1] * (dh0 * dw1)[:, None])
-                + table[h1 * side + w0] * (dh1 * dw0)[:, None]) + table[h1 * side + w1] * (dh1 * dw1)[:, None]
+        return (
+            (table[h0 * side + w0] * (dh0 * dw0)[:, None] + table[h0 * side + w1] * (dh0 * dw1)[:, None])
+            + table[h1 * side + w0] * (dh1 * dw0)[:, None]
+        ) + table[h1 * side + w1] * (dh1 * dw1)[:, None]
 
     def rope(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [P, head_dim] fp32: a quarter of the channels' frequencies at the row index, a quarter at the column, repeated."""
+        """cos, sin [P, head_dim] fp32: a quarter of the channels' frequencies at the row index, a quarter at
+        the column, the half repeated."""
         quarter = self.cfg.head_dim // 2
         inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=rows.device) / quarter))
         freqs = torch.cat([rows.float()[:, None] * inv_freq, cols.float()[:, None] * inv_freq], dim=-1)
@@ -140,7 +143,9 @@ class VisionTower(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _taps(
+    index: torch.Tensor, size: torch.Tensor, side: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Bilinear taps (floor, floor + 1 clamped) and weights of grid index [P] on an axis of `size` cells
     mapped onto `side` table cells with the end points aligned."""
     src = index.float() * (side - 1) / torch.clamp(size - 1, min=1)

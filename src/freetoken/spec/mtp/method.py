@@ -61,7 +61,8 @@ class MTPMethod:
         rows = [r for r in rows if r.next_token_ids]
         if not rows:
             return
-        groups = [RowGroup(r.request.block_table, None, r.first_position, list(r.next_token_ids)) for r in rows]
+        # row t reads token t + 1: an image pad there enters as its feature; positions are the target's
+        groups = [RowGroup(r.request.block_table, None, r.first_position, list(r.next_token_ids), images=r.request.images, token_offset=1) for r in rows]
         out = self._run(groups, torch.cat([r.hidden for r in rows]))
         end = 0
         for r in rows:
@@ -84,7 +85,7 @@ class MTPMethod:
             # A request with a one-token prompt has no committed row yet: draft its last token.
             fallback = [[r.last_token_id] * k for r in requests]
             return Proposal(torch.tensor(fallback, dtype=torch.long), None)
-        if self.graphs is not None and self.graphs.covers(requests):
+        if self.graphs is not None and self.graphs.covers(requests) and all(r.images is None for r in requests):  # graphs: no rope_delta
             tokens = self.graphs.run([s.hidden for s in states], [r.block_table for r in requests], [s.position for s in states])
             return Proposal(tokens, None)
         hidden = torch.stack([s.hidden for s in states])
@@ -92,7 +93,7 @@ class MTPMethod:
         probs: list[torch.Tensor] = []
         for step in range(k):
             if step > 0:
-                groups = [RowGroup(r.block_table, None, s.position + step, [d[-1]]) for r, s, d in zip(requests, states, drafted)]
+                groups = [RowGroup(r.block_table, None, s.position + step, [d[-1]], images=r.images) for r, s, d in zip(requests, states, drafted)]
                 hidden = self._run(groups, hidden)
             tokens, q = self._pick(requests, hidden, drafted)
             for d, t in zip(drafted, tokens.tolist()):

@@ -1,0 +1,70 @@
+"""`freetoken generate --prompts FILE.jsonl` with images: PNG files written here, end to end.
+
+Oracles: the prompt length the layout must have (the fixture tokenizer's ids of the text around the
+placeholders, plus one pad per merged 2x2 patch block: a 32x48 image is upscaled to 56x80 pixels,
+14x20 patches, 70 pads); the Python API without speculative decoding (the CLI runs --spec mtp);
+the installed `freetoken` command for the one-line error and exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from typer.testing import CliRunner
+
+from freetoken.cli import app
+from freetoken.engine.config import EngineConfig
+from freetoken.llm import LLM
+from freetoken.sampling import SamplingParams
+from tests.models.vision.conftest import random_image, vl_checkpoints  # noqa: F401 (a fixture)
+
+
+def _write_prompts(tmp_path, lines: list[dict]):
+    random_image(32, 48, 0).save(tmp_path / "a.png")
+    random_image(40, 24, 1).save(tmp_path / "b.png")
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_generate_with_images_end_to_end(vl_checkpoints, tmp_path):  # noqa: F811
+    from tokenizers import Tokenizer
+
+    hf_dir, unified = vl_checkpoints["qwen35_dense"]
+    lines = [
+        {"prompt": "see <image> and <image>", "images": ["a.png", "b.png"]},
+        {"prompt": "what is it", "images": ["a.png"]},
+        {"prompt": "def add(a, b):"},
+    ]
+    prompts = _write_prompts(tmp_path, lines)
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(
+        app, ["generate", str(unified), "--prompts", str(prompts), "--out", str(out), "--spec", "mtp", "-n", "6"]
+    )
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    text_len = lambda s: len(tok.encode(s, add_special_tokens=False).ids)  # noqa: E731
+    assert (
+        records[0]["prompt_tokens"] == text_len("see ") + text_len(" and ") + 2 * 2 + 70 + 77
+    )  # b: 40x24 -> 88x56 px, 22x14 patches
+    assert records[1]["prompt_tokens"] == 2 + 70 + text_len("what is it")  # no marker: the image leads
+    llm = LLM(str(unified), EngineConfig(max_model_len=512))
+    images = [[tmp_path / p for p in line.get("images", [])] for line in lines]
+    want, _ = llm.generate([line["prompt"] for line in lines], SamplingParams(max_new_tokens=6), images=images)
+    assert [r["token_ids"] for r in records] == [c.token_ids for c in want]
+
+
+def test_a_missing_image_is_a_one_line_error(vl_checkpoints, tmp_path):  # noqa: F811
+    prompts = _write_prompts(tmp_path, [{"prompt": "see <image>", "images": ["missing.png"]}])
+    result = subprocess.run(
+        ["freetoken", "generate", str(vl_checkpoints["qwen35_dense"][1]), "--prompts", str(prompts), "-n", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "image file not found" in lines[0] and "missing.png" in lines[0], result.stderr
