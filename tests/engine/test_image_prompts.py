@@ -143,3 +143,15 @@ def test_a_checkpoint_without_a_vision_tower_refuses_images(tmp_path):
     with pytest.raises(FreetokenError, match="no vision tower") as err:
         _generate(LLM(str(unified), EngineConfig(max_model_len=256)), [TWO_IMAGES], 2)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["qwen35_dense", "qwen35_moe"])
+def test_cuda_bf16_spec_mtp_equals_no_spec_and_cpu_prompt_logits(vl_checkpoints, model):  # noqa: F811
+    """On the GPU (Triton kernels, CUDA graphs for decode): image prompts give the same greedy tokens with and
+    without MTP in bf16, and fp32 greedy tokens (4) equal those of the CPU reference path."""
+    unified = str(vl_checkpoints[model][1])
+    want = _generate(_llm(unified, "bfloat16", device="cuda"), PROMPTS, 16)
+    assert _generate(_llm(unified, "bfloat16", "mtp", 2, device="cuda"), PROMPTS, 16) == want
+    assert _generate(_llm(unified, "float32", device="cuda"), PROMPTS, 4) == _generate(_llm(unified), PROMPTS, 4)
