@@ -61,8 +61,9 @@ for weighted_by_id in (False, True):
 built["norm_rope"] = ptx(rope_triton._norm_rope_kernel,
                          {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}
                          | {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "pf_ptr": "*i8", "eps": "fp32"},
-                         ("Hq", "D", "q_row", "q_head", "k_row", "k_head", "v_row", "v_head", "qo_row", "qo_head", "cache_slot", "cache_head", "pf_lines", "num_rows"),
-                         dict(ROT=64, D_PAD=256, PREFETCH=False, PDL=True), {"num_warps": rope_triton.NUM_WARPS}, unspecialised=("num_rows", "eps"))
+                         ("Hq", "D", "q_row", "q_head", "k_row", "k_head", "v_row", "v_head", "qo_row", "qo_head", "cache_slot", "cache_head", "pf_lines", "num_rows", "pos_stride"),
+                         dict(ROT=64, D_PAD=256, PREFETCH=False, PDL=True, MROPE=False, S_H=0, S_W=0), {"num_warps": rope_triton.NUM_WARPS},
+                         unspecialised=("num_rows", "eps", "pos_stride"))
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
