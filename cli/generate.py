@@ -55,14 +55,14 @@ def generate(
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP)] = False,
 ) -> None:
     """Generate completions for a batch of prompts."""
-    from freetoken.cli.prompts import read_prompts_with_images
+    from freetoken.cli.prompts import read_images, read_prompts_with_images
     from freetoken.engine.config import EngineConfig
     from freetoken.layers.offload_config import ExpertOffloadConfig
-    from freetoken.sampling import SamplingParams
 
     offload = ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts)
-    texts, images = read_prompts_with_images(prompt, prompts, default=DEFAULT_PROMPTS)
-    _check_image_files(images)
+    texts, image_paths = read_prompts_with_images(prompt, prompts, default=DEFAULT_PROMPTS)
+    images = read_images(image_paths) if any(image_paths) else None  # a bad image fails here, before torch loads
+    from freetoken.sampling import SamplingParams
     k = {Spec.mtp: num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS, Spec.dflash: num_draft_tokens or 0}.get(spec, 0)  # dflash 0: the LLM takes block size - 1
     if spec is Spec.none and num_draft_tokens:
         from freetoken.errors import FreetokenError
@@ -72,16 +72,7 @@ def generate(
                           max_model_len=8192, tensor_parallel=tensor_parallel, expert_offload=offload, prefix_cache=prefix_cache)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-    run_parallel(run_job, GenerateJob(model, texts, config, params, chat, out, stats_json, threads, images if any(images) else None))
-
-
-def _check_image_files(images: list[list[str]]) -> None:
-    """A missing image file fails the command before the model loads."""
-    from freetoken.errors import FreetokenError
-
-    for path in (Path(p) for paths in images for p in paths):
-        if not path.is_file():
-            raise FreetokenError("image file not found", path)
+    run_parallel(run_job, GenerateJob(model, texts, config, params, chat, out, stats_json, threads, images))
 
 
 @dataclass(frozen=True)
@@ -94,7 +85,7 @@ class GenerateJob:
     out: Path | None
     stats_json: Path | None
     threads: int
-    images: list[list[str]] | None = None  # per prompt, its image paths (JSONL "images")
+    images: list[list[Any]] | None = None  # per prompt, its decoded PIL images (JSONL "images"); None: no prompt has any
 
 
 def run_parallel(fn, job) -> list:

@@ -2,7 +2,8 @@
 
 A .jsonl line is a JSON string or an object {"prompt": "...", "images": ["a.png", ...]}; image paths
 are relative to the prompts file's folder. Where the images go in the prompt: freetoken/image_prompts.py
-(`<image>` markers, else in front of the text).
+(`<image>` markers, else in front of the text). `read_images` decodes every image of a run up front
+(Pillow only, no torch), so a missing or corrupt file fails the command before a model loads.
 """
 
 from __future__ import annotations
@@ -51,3 +52,15 @@ def read_prompts_with_images(prompt: list[str] | None, prompts_file: Path | None
         prompts = list(default)
         images = [[] for _ in prompts]
     return prompts, images
+
+
+def read_images(paths: list[list[str]]) -> list[list]:
+    """Per prompt, its image files decoded to RGB PIL images (each file read once); a one-line
+    FreetokenError naming the first missing, unreadable or truncated file."""
+    from freetoken.models.vision.image_file import load_image
+
+    decoded: dict[str, object] = {}
+    for path in (p for prompt_paths in paths for p in prompt_paths):
+        if path not in decoded:
+            decoded[path] = load_image(path)
+    return [[decoded[p] for p in prompt_paths] for prompt_paths in paths]

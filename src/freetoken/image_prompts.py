@@ -58,7 +58,8 @@ def request_images(
     """(expanded token ids, RequestImages) of a prompt whose ids hold one image pad per image;
     images: paths or PIL images; proc: the checkpoint's ImageProcessing."""
     from freetoken.engine.request_images import RequestImages
-    from freetoken.models.vision.preprocess import load_image, preprocess
+    from freetoken.models.vision.image_file import load_image
+    from freetoken.models.vision.preprocess import preprocess
     from freetoken.models.vision.prompt import image_layout
 
     pictures = [load_image(i) if isinstance(i, (str, Path)) else i.convert("RGB") for i in images]

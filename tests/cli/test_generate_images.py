@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 from typer.testing import CliRunner
 
@@ -68,3 +69,30 @@ def test_a_missing_image_is_a_one_line_error(vl_checkpoints, tmp_path):  # noqa:
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "image file not found" in lines[0] and "missing.png" in lines[0], result.stderr
+
+
+def test_a_truncated_image_fails_before_the_model_loads(vl_checkpoints, tmp_path):  # noqa: F811
+    """A corrupt PNG (its second half cut off) gives one line naming it, exit 1, no output files, and
+    torch is never imported (so no model was loaded)."""
+    lines = [{"prompt": "see <image>", "images": ["a.png"]}, {"prompt": "x <image>", "images": ["cut.png"]}]
+    prompts = _write_prompts(tmp_path, lines)
+    whole = (tmp_path / "b.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(whole[: len(whole) // 2])
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    argv = ["freetoken", "generate", str(vl_checkpoints["qwen35_dense"][1]), "--prompts", str(prompts), "-n", "2",
+            "--out", str(out), "--stats-json", str(stats)]
+    code = (
+        "import sys\n"
+        "from freetoken.cli import main\n"
+        f"sys.argv = {argv!r}\n"
+        "try:\n"
+        "    main()\n"
+        "finally:\n"
+        "    print('torch imported' if 'torch' in sys.modules else 'torch not imported')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and "cannot read the image" in errors[0] and "truncated" in errors[0], result.stderr
+    assert str(tmp_path / "cut.png") in errors[0]
+    assert result.stdout.strip() == "torch not imported" and not out.exists() and not stats.exists()

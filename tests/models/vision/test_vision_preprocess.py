@@ -5,7 +5,8 @@ import torch
 
 from freetoken.errors import FreetokenError
 from freetoken.models.vision.config import ImageProcessing, VisionConfig
-from freetoken.models.vision.preprocess import load_image, preprocess
+from freetoken.models.vision.image_file import load_image
+from freetoken.models.vision.preprocess import preprocess
 from tests.conftest import FIXTURES
 from tests.models.vision.conftest import hf_processor, random_image
 

@@ -10,7 +10,6 @@ fills the temporal patch by repetition (t = 1).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -20,20 +19,6 @@ from freetoken.errors import FreetokenError
 from freetoken.models.vision.config import ImageProcessing
 
 MAX_ASPECT_RATIO = 200
-
-
-def load_image(path: str | Path):
-    """The image at `path` as an RGB PIL image; a one-line FreetokenError if it is missing or unreadable."""
-    from PIL import Image, UnidentifiedImageError
-
-    path = Path(path)
-    if not path.is_file():
-        raise FreetokenError("image file not found", path)
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
-        raise FreetokenError(f"cannot read the image ({type(exc).__name__})", path) from None
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
