@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import torch
 from typer.testing import CliRunner
 
 from freetoken.cli import app
@@ -96,3 +97,43 @@ def test_a_truncated_image_fails_before_the_model_loads(vl_checkpoints, tmp_path
     assert len(errors) == 1 and "cannot read the image" in errors[0] and "truncated" in errors[0], result.stderr
     assert str(tmp_path / "cut.png") in errors[0]
     assert result.stdout.strip() == "torch not imported" and not out.exists() and not stats.exists()
+
+
+def test_chat_with_images_matches_transformers(vl_checkpoints, tmp_path):  # noqa: F811
+    """--chat: the markers (or, without any, the images) sit in the user turn of the checkpoint's chat
+    template. Oracle: the chat text written out here with Qwen3-VL's vision placeholders, each pad
+    repeated once per merged patch block of transformers' image processor output (as its Qwen3-VL
+    processor does), tokenized by transformers, and the greedy tokens of transformers' generate."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from freetoken.models.vision.image_file import load_image
+    from tests.models.vision.conftest import hf_processor
+
+    hf_dir, unified = vl_checkpoints["qwen35_dense"]
+    lines = [{"prompt": "compare <image> with <image>", "images": ["a.png", "b.png"]},
+             {"prompt": "what is it", "images": ["b.png"]}]
+    prompts = _write_prompts(tmp_path, lines)
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", str(unified), "--prompts", str(prompts), "--out", str(out), "--chat", "-n", "5"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    chats = [f"<|im_start|>user\ncompare {image} with {image}<|im_end|>\n<|im_start|>assistant\n",
+             f"<|im_start|>user\n{image}what is it<|im_end|>\n<|im_start|>assistant\n"]
+    llm = LLM(str(unified))
+    processor, tokenizer = hf_processor(llm.image_processing), AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for chat, line, record in zip(chats, lines, records):
+        pixels = processor([load_image(tmp_path / p) for p in line["images"]], return_tensors="pt")
+        counts = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for i in tokenizer(chat)["input_ids"] for t in ([i] * next(counts) if i == pad else [i])]
+        x = torch.tensor([ids])
+        pictures = [load_image(tmp_path / p) for p in line["images"]]
+        assert llm.encode_with_images(line["prompt"], pictures, chat=True)[0] == ids and record["prompt_tokens"] == len(ids)
+        with torch.no_grad():
+            got = model.generate(input_ids=x, **pixels, mm_token_type_ids=(x == pad).int(), max_new_tokens=5, do_sample=False)
+        model.model.rope_deltas = None
+        assert record["token_ids"] == got[0, len(ids) :].tolist()
