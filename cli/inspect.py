@@ -33,6 +33,26 @@ def _ngram_tables(cfg, shapes: dict[str, list[int]]) -> str:
     return ", ".join(f"layer {i}: {_shape(shapes, f'model.layers.{i}.ple.ple_embedding.ngram_embedding.weight')}" for i in cfg.ple_layers)
 
 
+def _vision(vision_config: dict | None, image_processing: dict | None, has_tower: bool, source: str) -> str:
+    """The vision tower's shape and the image preprocessing it takes (`source`: where the settings come from)."""
+    if not has_tower:
+        return "no"
+    if vision_config is None:
+        return "yes (no vision_config)"
+    from freetoken.models.vision.config import ImageProcessing, VisionConfig
+
+    v = VisionConfig.from_dict(vision_config)
+    if image_processing is None:
+        proc, source = ImageProcessing.from_hf(None, v), "Qwen3-VL defaults"
+    else:
+        proc = ImageProcessing.from_dict(image_processing)
+    tower = (f"depth {v.depth}, hidden {v.hidden_size} ({v.num_heads} heads), "
+             f"patch {v.patch_size} x temporal {v.temporal_patch_size}, "
+             f"merge {v.spatial_merge_size}, out hidden {v.out_hidden_size}")
+    return (f"{tower}\npreprocessing ({source}): pixels {proc.min_pixels}..{proc.max_pixels}, patch {proc.patch_size}, "
+            f"merge {proc.merge_size}, mean {list(proc.image_mean)}, std {list(proc.image_std)}")
+
+
 # rows a family's config adds when it has the feature: (label, has it, value)
 FEATURE_ROWS = (
     ("hyper-connections", lambda c: hasattr(c, "hc_count"), lambda c, s: f"{c.hc_count} streams x {c.hidden_size}, mixer rank {c.hc_lowrank}"),
@@ -112,7 +132,8 @@ def _unified_rows(path: Path) -> Rows:
     heads = "\n".join(_head_summary(k, v) for k, v in m.draft_heads.items()) or "none"
     rows += [
         ("draft heads", heads),
-        ("vision tower", "yes" if any(n.startswith("model.visual.") for n in shapes) else "no"),
+        ("vision tower", _vision(m.config.get("vision_config"), m.config.get("image_processing"),
+                                 any(n.startswith("model.visual.") for n in shapes), "preprocessor_config.json")),
         ("tensors", f"{len(shapes)} in {len({i['shard'] for i in m.tensors.values()})} shard(s); " + ", ".join(f"{d} x{c}" for d, c in dtypes.items())),
         ("tokenizer", m.tokenizer.get("file") or "none"),
         ("converter", f"{m.provenance.converter} (freetoken {m.provenance.freetoken_version})"),
@@ -151,12 +172,27 @@ def _hf_rows(path: Path) -> Rows:
     rows += _config_rows(cfg, shapes)
     rows += [
         ("draft heads", f"mtp (layers: {cfg.mtp_num_hidden_layers or 1})" if has_mtp else "none"),
-        ("vision tower", "yes" if any(n.startswith("model.visual.") for n in shapes) else "no"),
+        ("vision tower", _vision(raw.get("vision_config"), _hf_image_processing(path, raw),
+                                 any(n.startswith("model.visual.") for n in shapes), "preprocessor_config.json")),
         ("expert layout", "per-expert" if per_expert else ("fused" if cfg.is_moe else "-")),
         ("tensors", f"{len(headers)} in {len(files)} file(s); " + ", ".join(f"{d} x{c}" for d, c in Counter(i["dtype"] for i in headers.values()).items())),
         ("size on disk", _size(sum(f.stat().st_size for f in path.iterdir() if f.is_file()))),
     ]
     return rows
+
+
+def _hf_image_processing(path: Path, raw: dict) -> dict | None:
+    """The ImageProcessing dict of the directory's preprocessor_config.json, None without one (or without a vision_config)."""
+    from freetoken.errors import CheckpointError
+    from freetoken.models.vision.config import ImageProcessing, VisionConfig
+
+    file = path / "preprocessor_config.json"
+    if not file.is_file() or raw.get("vision_config") is None:
+        return None
+    try:
+        return ImageProcessing.from_hf(json.loads(file.read_text()), VisionConfig.from_dict(raw["vision_config"])).to_dict()
+    except ValueError as e:
+        raise CheckpointError(f"unreadable preprocessor_config.json ({e})", file) from None
 
 
 def _gguf_rows(path: Path) -> Rows:

@@ -12,8 +12,8 @@ values recomputed from the rebuilt config (`models/qwen4_exp/weights.py`):
   zeros) is taken, as published configs use round bases;
 - `make_ngram_vocab_size_divisible_by`: the config default when the table's row count is the
   head sizes' sum rounded up to it, else the smallest divisor of the row count that is.
-The vision marker ids are the ids of Qwen's `<|vision_start|>` / `<|vision_end|>` tokens in the
-vocabulary. Not stored either, and taken as llama.cpp's graph runs them: the GDN output gate is sigmoid and
+The vision marker ids are the ids of Qwen's `<|vision_start|>` / `<|vision_end|>` / `<|video_pad|>`
+tokens in the vocabulary. Not stored either, and taken as llama.cpp's graph runs them: the GDN output gate is sigmoid and
 the routed top-k weights are renormalised. The QSA block size is the non-zero `compress_ratios`
 entry of the attention layers; a file whose attention layers all carry 0 (a known converter slip
 when the config's layer types read `indexed_attention`) has lost it and is refused.
@@ -48,7 +48,8 @@ from freetoken.models.qwen4_exp.weights import (
 )
 
 TABLE = "per_layer_token_embd.weight"
-VISION_MARKERS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}  # config id -> token
+VISION_MARKERS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                  "video_token_id": "<|video_pad|>"}  # config id -> token
 _M64 = 1 << 64
 
 

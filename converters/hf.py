@@ -39,6 +39,7 @@ from freetoken.models.weight_rules import WeightRules, fuse_group, mtp_layer_cou
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 INDEX_FILE = "model.safetensors.index.json"
+PREPROCESSOR_FILE = "preprocessor_config.json"
 _SHARD_INDEX = re.compile(r"\.shard_\d+\.")
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -50,6 +51,7 @@ class HFSource(NamedTuple):
     provenance: Provenance
     vision_config: dict | None  # the source's vision_config when model.visual.* is kept
     family: str
+    image_processing: dict | None = None  # ImageProcessing of its preprocessor_config.json (kept tower only)
 
 
 @dataclass
@@ -303,13 +305,30 @@ def read_hf(src: str | Path, *, text_only: bool = False) -> HFSource:
     cfg = _tie(plan, cfg, transforms)
     _validate(plan, cfg, rules, root)
 
+    keeps_visual = any(n.startswith("model.visual.") for n in plan.direct)
+    vision_config = raw.get("vision_config") if keeps_visual else None
+    image_processing = _image_processing(root, vision_config) if vision_config is not None else None
     extra = [root / "config.json", root / "generation_config.json", *([index] if index else []), *files]
+    if image_processing is not None:
+        extra.append(root / PREPROCESSOR_FILE)
     tokenizer_files = {name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()}
     sources = tuple(hash_file(p) for p in extra + [root / n for n in tokenizer_files] if p.is_file())
     provenance = Provenance("hf", freetoken.__version__, sources, tuple(transforms))
-    keeps_visual = any(n.startswith("model.visual.") for n in plan.direct)
-    vision_config = raw.get("vision_config") if keeps_visual else None
-    return HFSource(cfg, _stream(files, headers, plan, cfg.num_experts), tokenizer_files, provenance, vision_config, family)
+    tensors = _stream(files, headers, plan, cfg.num_experts)
+    return HFSource(cfg, tensors, tokenizer_files, provenance, vision_config, family, image_processing)
+
+
+def _image_processing(root: Path, vision_config: dict) -> dict | None:
+    """The image preprocessing settings of the checkpoint's preprocessor_config.json (None without one)."""
+    from freetoken.models.vision.config import ImageProcessing, VisionConfig
+
+    path = root / PREPROCESSOR_FILE
+    if not path.is_file():
+        return None
+    try:
+        return ImageProcessing.from_hf(_load_json(path), VisionConfig.from_dict(vision_config)).to_dict()
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"unusable image preprocessing settings ({type(e).__name__}: {e})", path) from None
 
 
 def convert_hf(
@@ -347,6 +366,8 @@ def convert_hf(
     config = cfg.to_dict()
     if source.vision_config is not None:
         config["vision_config"] = source.vision_config
+    if source.image_processing is not None:
+        config["image_processing"] = source.image_processing
     tensors, provenance = source.tensors, source.provenance
     draft_heads = {"mtp": {"num_layers": n_mtp}} if n_mtp else {}
     if pack is not None:

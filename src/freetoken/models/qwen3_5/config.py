@@ -49,6 +49,7 @@ class Qwen35Config(ManifestConfig, HybridLayout):
     image_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    video_token_id: int | None = None
     model_type: str = "qwen3_5"
 
     @property
@@ -117,5 +118,6 @@ class Qwen35Config(ManifestConfig, HybridLayout):
             image_token_id=top.get("image_token_id"),
             vision_start_token_id=top.get("vision_start_token_id"),
             vision_end_token_id=top.get("vision_end_token_id"),
+            video_token_id=top.get("video_token_id"),
             model_type="qwen3_5_moe" if is_moe else "qwen3_5",
         )

@@ -84,6 +84,7 @@ class Qwen4ExpConfig(ManifestConfig, HybridLayout):
     image_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    video_token_id: int | None = None
     model_type: str = "qwen4_exp"
 
     # -- derived -------------------------------------------------------------------------------------
@@ -236,4 +237,5 @@ class Qwen4ExpConfig(ManifestConfig, HybridLayout):
             image_token_id=top.get("image_token_id"),
             vision_start_token_id=top.get("vision_start_token_id"),
             vision_end_token_id=top.get("vision_end_token_id"),
+            video_token_id=top.get("video_token_id"),
         )

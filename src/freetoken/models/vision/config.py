@@ -4,7 +4,7 @@ scaled to the patch size)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # Qwen3-VL's preprocessor_config.json for 16-px patches: 256x256 .. 4096x4096 pixels, mean = std = 0.5.
@@ -69,6 +69,10 @@ class ImageProcessing:
     max_pixels: int
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's `image_processing` (from_dict reads it back)."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ImageProcessing":
