@@ -41,18 +41,9 @@ def moe_experts(
 ) -> torch.Tensor:  # [N, H]: fp32 sum over the held experts of weight * expert(x); x.dtype block output with shared
     """Routed experts; given `shared` and `shared_gate`, acc.to(x.dtype) + sigmoid(shared_gate) * shared.
     With slot_of the weights are read at each expert's slot; the experts are still added in ascending id."""
-    count, two_i, _ = gate_up.shape
-    inter = two_i // 2
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    slots = None if slot_of is None else slot_of.tolist()
-    for expert in torch.unique(experts).tolist():  # ascending
-        local = expert - first if slots is None else slots[expert]
-        if not 0 <= local < count:
-            continue
-        tokens, slot = (experts == expert).nonzero(as_tuple=True)
-        h = linear_ref.linear(x[tokens], gate_up[local])
-        y = linear_ref.linear(activation_ref.silu(h[:, :inter]) * h[:, inter:], down[local])
-        acc[tokens] = acc[tokens] + (y * weights[tokens, slot][:, None]).float()
+    for tokens, _, product in _routed_products(x, experts, weights, gate_up, down, first, slot_of):
+        acc[tokens] = acc[tokens] + product.float()
     if shared is None:
         return acc
     return acc.to(x.dtype) + activation_ref.sigmoid(shared_gate) * shared
@@ -67,18 +58,26 @@ def expert_products(
     first: int = 0,
 ) -> torch.Tensor:  # [N, top_k, H] x.dtype: weight * expert(x) where the expert is held, else 0
     """Each routed product as moe_experts adds it (before its fp32 cast), one expert at a time."""
+    out = torch.zeros((*experts.shape, x.shape[1]), dtype=x.dtype, device=x.device)
+    for tokens, slot, product in _routed_products(x, experts, weights, gate_up, down, first):
+        out[tokens, slot] = product
+    return out
+
+
+def _routed_products(x, experts, weights, gate_up, down, first: int, slot_of: torch.Tensor | None = None):
+    """For each held expert in ascending id: (tokens [n], their routing column [n], weight * expert(x) [n, H] x.dtype).
+    An expert's weights are gate_up / down [id - first], or [slot_of[id]] with slot_of; ids outside them are skipped."""
     count, two_i, _ = gate_up.shape
     inter = two_i // 2
-    out = torch.zeros((*experts.shape, x.shape[1]), dtype=x.dtype, device=x.device)
-    for expert in torch.unique(experts).tolist():
-        local = expert - first
+    slots = None if slot_of is None else slot_of.tolist()
+    for expert in torch.unique(experts).tolist():  # ascending
+        local = expert - first if slots is None else slots[expert]
         if not 0 <= local < count:
             continue
-        tokens, slot = (experts == expert).nonzero(as_tuple=True)
+        tokens, column = (experts == expert).nonzero(as_tuple=True)
         h = linear_ref.linear(x[tokens], gate_up[local])
         y = linear_ref.linear(activation_ref.silu(h[:, :inter]) * h[:, inter:], down[local])
-        out[tokens, slot] = y * weights[tokens, slot][:, None]
-    return out
+        yield tokens, column, y * weights[tokens, column][:, None]
 
 
 def add_products(
