@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,6 +28,8 @@ class SeqRows:
     block_table: torch.Tensor  # [max_blocks] int32, on the model's device
     state_slot: int  # row of the linear-attention state pool
     chunkable_end: int | None = None  # prefill: positions below it may take a chunked rule (whole prompt chunks); None: any
+    # an image prompt's (start, n) -> [3, n] int64 mRoPE positions of its tokens start .. start + n - 1; None: token i sits at i
+    token_positions: Callable[[int, int], torch.Tensor] | None = None
 
     @property
     def rows(self) -> slice:

@@ -157,8 +157,6 @@ class LLM:
     def _check_images(self) -> None:
         if "vision_config" not in self.checkpoint.config or "model.visual.patch_embed.proj.weight" not in self.checkpoint:
             raise FreetokenError("the checkpoint has no vision tower, so it cannot take image prompts", self.path)
-        if self.checkpoint.family != "qwen3_5":
-            raise FreetokenError(f"image prompts are not supported for the {self.checkpoint.family} family yet", self.path)
 
     @property
     def image_processing(self):

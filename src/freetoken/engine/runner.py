@@ -49,6 +49,7 @@ def build_context(groups: list[RowGroup], mode: ForwardMode, kv_pool: KVPool, st
                 block_table=torch.tensor(group.block_table, dtype=torch.int32, device=device),
                 state_slot=-1 if group.state_slot is None else group.state_slot,
                 chunkable_end=group.chunkable_end,
+                token_positions=None if group.images is None else group.images.positions,
             )
         )
         input_ids += group.token_ids

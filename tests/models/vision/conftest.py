@@ -61,6 +61,25 @@ def vl_checkpoints(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def vl_qwen4_exp(tmp_path_factory):
+    """rope type ("default", "yarn") -> (HF dir, unified dir) of the qwen4_exp fixture with a redrawn vision
+    tower; "yarn": its RoPE made YaRN (factor 4 over an original context of 8 positions)."""
+    import json
+
+    root = tmp_path_factory.mktemp("vl_qwen4_exp")
+    out = {}
+    for rope in ("default", "yarn"):
+        hf = write_redrawn_checkpoint("qwen4_exp", root / rope / "hf")
+        if rope == "yarn":
+            config = json.loads((hf / "config.json").read_text())
+            yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+            config["text_config"]["rope_parameters"] |= yarn
+            (hf / "config.json").write_text(json.dumps(config))
+        out[rope] = (hf, convert_unified(hf, root / rope / "unified"))
+    return out
+
+
 def random_image(height: int, width: int, seed: int):
     """A PIL RGB image of smooth random colours plus noise (height x width pixels)."""
     from PIL import Image

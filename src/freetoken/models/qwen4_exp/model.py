@@ -164,7 +164,10 @@ class Qwen4ExpForCausalLM(nn.Module):
 
         export_layers: also return the wide residual after each of these layers, concatenated in that
         order [N, n * S*H]; reading them changes no computation."""
-        x = self.embed(ctx.input_ids).repeat(1, self.config.hc_count)
+        x = self.embed(ctx.input_ids)
+        if ctx.image_embeds is not None:  # image-pad rows enter as their image features (PLE still hashes the pad ids)
+            x = ctx.image_embeds.apply(x)
+        x = x.repeat(1, self.config.hc_count)
         streams: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, ctx)

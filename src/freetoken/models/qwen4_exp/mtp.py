@@ -43,7 +43,10 @@ class Qwen4ExpMTP(nn.Module):
         """ctx.input_ids [N] = x_{t+1}, hidden [N, S*H] = h_t (or the previous step's output), ctx.positions = t
         -> X1 [N, S*H], the layer's wide output."""
         n, h = hidden.shape[0], self._target[0].config.hidden_size
-        e = self.fc_embedding(self.pre_fc_norm_embedding(self._target[0].embed(ctx.input_ids)))  # [N, H]
+        e = self._target[0].embed(ctx.input_ids)
+        if ctx.image_embeds is not None:  # an image-pad token x_{t+1} enters as its image feature
+            e = ctx.image_embeds.apply(e)
+        e = self.fc_embedding(self.pre_fc_norm_embedding(e))  # [N, H]
         streams = self.fc_hidden(self.pre_fc_norm_hidden(hidden).reshape(n * self.streams, h)).view(n, self.streams, h)
         x = (streams + e[:, None, :]).reshape(n, self.streams * h)
         for layer in self.layers:

@@ -7,6 +7,8 @@ A query at position p sees n = p + 1 keys; they form floor(n / c) complete block
 
     K_b = rope(k_layernorm(mean of its raw keys, in fp32), at the block's first position)
 
+(in an image prompt, the (t, h, w) mRoPE position of the block's first token)
+
 and scored sum_heads relu(q_h . K_b) / sqrt(d_i); the top min(budget / c, floor(n / c)) blocks and
 the tail are the keys the query attends to (all of them while n <= budget + c - 1). The attention
 is the gated attention of layers/attention.py with that key set instead of the causal prefix.
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from freetoken import kernels
-from freetoken.forward_context import ForwardContext
+from freetoken.forward_context import ForwardContext, SeqRows
 from freetoken.kernels.attention_ref import store_kv, token_slots
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
@@ -47,11 +49,14 @@ class Indexer(nn.Module):
         self.cache_index = cache_index  # which of the KV pool's extra row tensors holds this layer's raw keys
         self.rotary = rotary
 
-    def _pooled_blocks(self, raw: torch.Tensor, slots: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """The first num_blocks complete blocks of a sequence's raw keys (at slots) -> K_b [num_blocks, d_i]."""
+    def _pooled_blocks(self, raw: torch.Tensor, slots: torch.Tensor, num_blocks: int, seq: SeqRows) -> torch.Tensor:
+        """The first num_blocks complete blocks of a sequence's raw keys (at slots) -> K_b [num_blocks, d_i],
+        each rotated at the position of its first token (an image prompt's mRoPE position there)."""
         keys = raw[slots[: num_blocks * self.ratio], 0].view(num_blocks, self.ratio, self.head_dim)
         pooled = mean_over(keys.float(), dim=1).to(raw.dtype)
         starts = torch.arange(num_blocks, device=raw.device) * self.ratio
+        if seq.token_positions is not None:
+            starts = seq.token_positions(0, num_blocks * self.ratio)[:, :: self.ratio].to(raw.device)  # [3, num_blocks]
         cos, sin = self.rotary.cos_sin(starts, raw.dtype)
         return self.rotary.apply(self.k_layernorm(pooled)[:, None, :], cos, sin)[:, 0]
 
@@ -78,7 +83,7 @@ class Indexer(nn.Module):
                     selected.append(torch.arange(visible, device=x.device))
                     continue
                 if blocks is None:
-                    blocks = self._pooled_blocks(raw, slots, (cached + rows) // self.ratio).float()
+                    blocks = self._pooled_blocks(raw, slots, (cached + rows) // self.ratio, ctx.seqs[i]).float()
                 scores = torch.relu(torch.matmul(q[batch.row_starts[i] + j].float(), blocks[:complete].T))  # [heads, blocks]
                 top = (scores.sum(0) / math.sqrt(self.head_dim)).topk(keep).indices.sort().values
                 tokens = (top[:, None] * self.ratio + torch.arange(self.ratio, device=x.device)).flatten()

@@ -1,6 +1,8 @@
 """Partial NeoX RoPE of qwen4_exp, default or YaRN (architectures.md §1.3).
 
-Text positions make the interleaved mRoPE one-dimensional. YaRN is transformers'
+Text positions make the interleaved mRoPE one-dimensional: positions [N]. Rows of an image prompt
+carry (t, h, w) positions [3, N]; frequency i then reads the axis `mrope_axes` gives it (kernels/rope_ref.py,
+interleaved over `mrope_section`), before the YaRN scale, as transformers recomposes them. YaRN is transformers'
 `_compute_yarn_parameters` with dim = rotary_dim: the inverse frequencies blend interpolation
 (divided by `factor`) and extrapolation over the correction range of beta_fast/beta_slow, and cos
 and sin are multiplied by the attention factor (0.1 ln(factor) + 1 unless the config sets one).
@@ -14,7 +16,7 @@ import math
 
 import torch
 
-from freetoken.kernels.rope_ref import rope_inv_freq
+from freetoken.kernels.rope_ref import mrope_axes, rope_inv_freq
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 from freetoken.models.qwen4_exp.ops import per_row
 
@@ -53,10 +55,17 @@ class Rotary:
         else:
             self.inv_freq, self.scale = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device="cpu"), 1.0
         self.rotary_dim = cfg.rotary_dim
+        # [rotary_dim / 2]: the axis (0 t, 1 h, 2 w) each frequency reads from [3, N] positions
+        self.mrope_axes = torch.tensor(mrope_axes(cfg.rotary_dim // 2, cfg.mrope_section), device="cpu")
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos, sin [N, rotary_dim] in dtype (scaled, then cast, as transformers does)."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        """positions [N] (or [3, N] (t, h, w)) -> cos, sin [N, rotary_dim] in dtype (scaled, then cast, as
+        transformers does)."""
+        if positions.dim() == 2:
+            axes = self.mrope_axes.to(positions.device)
+            freqs = positions.float()[axes, :].t() * self.inv_freq.to(positions.device)[None, :]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         cos = per_row(lambda f: f.cos() * self.scale, freqs)
         sin = per_row(lambda f: f.sin() * self.scale, freqs)
         return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
