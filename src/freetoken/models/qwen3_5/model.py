@@ -21,6 +21,7 @@ from freetoken.forward_context import ForwardContext
 from freetoken.layers.attention import GatedAttention, kv_head_range
 from freetoken.layers.basic import MLP, ZeroCenteredRMSNorm
 from freetoken.layers.linear_attn import GatedDeltaNet
+from freetoken.kernels.batched import SeqBatch
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.parallel import ColumnParallelLinear, VocabParallelEmbedding
 from freetoken.models.qwen3_5.config import Qwen35Config
@@ -179,7 +180,7 @@ class Qwen35ForCausalLM(nn.Module):
         logits = kernels.linear(hidden, weight)
         return self.parallel.all_gather(logits.float() if upcast else logits)
 
-    def commit(self, ctx: ForwardContext, accepted_rows: "list[int] | SeqBatch") -> None:
+    def commit(self, ctx: ForwardContext, accepted_rows: list[int] | SeqBatch) -> None:
         """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN state.
 
         accepted_rows is a list of counts or the replay batch itself (the verify's layout cut to
