@@ -61,31 +61,30 @@ def _hf_inputs(llm: LLM, text: str, names: list[str]):
     )
 
 
-@pytest.mark.parametrize("model", ["qwen35_dense", "qwen35_moe"])
-@torch.no_grad()
-def test_prompt_logits_match_transformers(vl_checkpoints, model):  # noqa: F811
+def _prompt_logits(llm, ids: list[int], images):  # -> (logits [T, V], the forward's context)
+    """The engine's logits of one whole image prompt, prefilled in one piece from an empty cache."""
     from freetoken.engine.runner import RowGroup, build_context
     from freetoken.forward_context import ForwardMode
 
-    hf_dir, unified = vl_checkpoints[model]
-    llm = _llm(str(unified))
-    ids, images, inputs = _hf_inputs(llm, *TWO_IMAGES)
-    want = _hf(hf_dir)(**inputs).logits[0].float()
     engine = llm.make_engine(with_images=True)
     engine._encode_images(type("R", (), {"images": images})())
     table: list[int] = []
     engine.kv_pool.grow(table, len(ids))
-    ctx = build_context(
-        [RowGroup(table, engine.state_pool.allocate(), 0, ids, images=images)],
-        ForwardMode.EXTEND,
-        engine.kv_pool,
-        engine.state_pool,
-        engine.device,
-    )
-    assert (
-        ctx.positions.shape == (3, len(ids)) and ctx.image_embeds.rows.numel() == sum(t * h * w for t, h, w in images.grids) // 4
-    )
-    got = llm.model.compute_logits(llm.model(ctx))
+    group = RowGroup(table, engine.state_pool.allocate(), 0, ids, images=images)
+    ctx = build_context([group], ForwardMode.EXTEND, engine.kv_pool, engine.state_pool, engine.device)
+    return llm.model.compute_logits(llm.model(ctx)), ctx
+
+
+@pytest.mark.parametrize("model", ["qwen35_dense", "qwen35_moe"])
+@torch.no_grad()
+def test_prompt_logits_match_transformers(vl_checkpoints, model):  # noqa: F811
+    hf_dir, unified = vl_checkpoints[model]
+    llm = _llm(str(unified))
+    ids, images, inputs = _hf_inputs(llm, *TWO_IMAGES)
+    want = _hf(hf_dir)(**inputs).logits[0].float()
+    got, ctx = _prompt_logits(llm, ids, images)
+    assert ctx.positions.shape == (3, len(ids))
+    assert ctx.image_embeds.rows.numel() == sum(t * h * w for t, h, w in images.grids) // 4
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 

@@ -16,29 +16,20 @@ import torch
 
 from freetoken.engine.config import EngineConfig
 from freetoken.sampling import SamplingParams
-from tests.engine.test_image_prompts import IMAGES, LONG_TEXT, PROMPTS, TWO_IMAGES, _generate, _hf, _hf_inputs, _llm
+from tests.engine.test_image_prompts import IMAGES, LONG_TEXT, PROMPTS, TWO_IMAGES, _generate, _hf, _hf_inputs, _llm, _prompt_logits
 from tests.models.vision.conftest import vl_qwen4_exp  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize("rope", ["default", "yarn"])
 @torch.no_grad()
 def test_prompt_logits_match_transformers(vl_qwen4_exp, rope):  # noqa: F811
-    from freetoken.engine.runner import RowGroup, build_context
-    from freetoken.forward_context import ForwardMode
-
     hf_dir, unified = vl_qwen4_exp[rope]
     llm = _llm(str(unified))
     assert llm.model.config.rope_type == rope
     ids, images, inputs = _hf_inputs(llm, *TWO_IMAGES)
     want = _hf(hf_dir)(**inputs).logits[0].float()
-    engine = llm.make_engine(with_images=True)
-    engine._encode_images(type("R", (), {"images": images})())
-    table: list[int] = []
-    engine.kv_pool.grow(table, len(ids))
-    group = RowGroup(table, engine.state_pool.allocate(), 0, ids, images=images)
-    ctx = build_context([group], ForwardMode.EXTEND, engine.kv_pool, engine.state_pool, engine.device)
+    got, ctx = _prompt_logits(llm, ids, images)
     assert ctx.positions.shape == (3, len(ids)) and len(ids) > 150
-    got = llm.model.compute_logits(llm.model(ctx))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
