@@ -13,6 +13,7 @@ import typer
 
 from freetoken.cli.bench import bench
 from freetoken.cli.convert import convert
+from freetoken.cli.experts_profile import experts_profile
 from freetoken.cli.generate import generate
 from freetoken.cli.inspect import inspect
 from freetoken.cli.parity import parity
@@ -31,6 +32,7 @@ app.command()(inspect)
 app.command()(generate)
 app.command()(parity)
 app.command()(bench)
+app.command("experts-profile")(experts_profile)
 
 
 def main() -> None:

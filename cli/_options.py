@@ -46,4 +46,5 @@ ExpertOffloadOpt = Annotated[ExpertOffload, typer.Option("--expert-offload", hel
     "--expert-cache-gb; outputs bit-identical to none) or hybrid (--gpu-experts per layer on the device, the rest "
     "computed on the CPU; bits may differ from none on a GPU, spec decoding stays exact). Both offload modes run eagerly."))]
 ExpertCacheGbOpt = Annotated[Optional[float], typer.Option("--expert-cache-gb", help="--expert-offload cache: device memory for the expert slots of all MoE layers (GiB).", show_default=False)]
+ExpertPlacementOpt = Annotated[Optional[str], typer.Option("--expert-placement", help="--expert-offload hybrid: a JSON file of the expert ids each MoE layer keeps on the device (freetoken experts-profile writes one); it gives the count, so leave out --gpu-experts.", show_default=False)]
 GpuExpertsOpt = Annotated[Optional[str], typer.Option("--gpu-experts", help="--expert-offload hybrid: experts per layer kept on the device, a count (64) or a fraction (0.25, 25%); the first ones by id.", show_default=False)]

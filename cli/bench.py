@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from freetoken.cli._options import (
-    DeviceOpt, DType, DTypeOpt, ExpertCacheGbOpt, ExpertOffload, ExpertOffloadOpt, GpuExpertsOpt, MemFractionOpt, TensorParallelOpt, console,
+    DeviceOpt, DType, DTypeOpt, ExpertCacheGbOpt, ExpertOffload, ExpertOffloadOpt, ExpertPlacementOpt, GpuExpertsOpt, MemFractionOpt, TensorParallelOpt, console,
 )
 
 
@@ -37,6 +37,7 @@ def bench(
     expert_offload: ExpertOffloadOpt = ExpertOffload.none,
     expert_cache_gb: ExpertCacheGbOpt = None,
     gpu_experts: GpuExpertsOpt = None,
+    expert_placement: ExpertPlacementOpt = None,
 ) -> None:
     """Benchmark decode on a checkpoint or a random-weight model of a real shape; reports the bandwidth floor."""
     from rich.table import Table
@@ -63,7 +64,7 @@ def bench(
         raise FreetokenError(f"--spec {spec} needs --num-draft-tokens >= 1")
     kwargs = dict(model=model, prompt_len=prompt_len, new_tokens=new_tokens, spec=spec, num_draft_tokens=num_draft_tokens,
                   corrupt_rates=tuple(corrupt_rate), device=device, dtype=dtype.value, cuda_graphs=cuda_graphs, mem_fraction=mem_fraction,
-                  expert_offload=ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts))
+                  expert_offload=ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts, expert_placement))
     if tensor_parallel == 1:
         results = [r for b in batch_size for r in run_bench(shape, batch_size=b, **kwargs)]
     else:

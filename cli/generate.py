@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from freetoken.cli._options import (
-    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, ExpertCacheGbOpt, ExpertOffload, ExpertOffloadOpt, GpuExpertsOpt, MaxNewTokensOpt, MemFractionOpt, ModelArg,
+    BatchSizeOpt, DeviceOpt, DType, DTypeOpt, ExpertCacheGbOpt, ExpertOffload, ExpertOffloadOpt, ExpertPlacementOpt, GpuExpertsOpt, MaxNewTokensOpt, MemFractionOpt, ModelArg,
     PromptOpt, PromptsFileOpt, Spec, TensorParallelOpt, ThreadsOpt, console,
 )
 
@@ -52,6 +52,7 @@ def generate(
     expert_offload: ExpertOffloadOpt = ExpertOffload.none,
     expert_cache_gb: ExpertCacheGbOpt = None,
     gpu_experts: GpuExpertsOpt = None,
+    expert_placement: ExpertPlacementOpt = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP)] = False,
 ) -> None:
     """Generate completions for a batch of prompts."""
@@ -59,7 +60,7 @@ def generate(
     from freetoken.engine.config import EngineConfig
     from freetoken.layers.offload_config import ExpertOffloadConfig
 
-    offload = ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts)
+    offload = ExpertOffloadConfig.from_options(expert_offload.value, expert_cache_gb, gpu_experts, expert_placement)
     texts, image_paths = read_prompts_with_images(prompt, prompts, default=DEFAULT_PROMPTS)
     images = read_images(image_paths) if any(image_paths) else None  # a bad image fails here, before torch loads
     from freetoken.sampling import SamplingParams

@@ -10,14 +10,18 @@ kernels order every reduction by expert id, never by slot, so each row has the b
 model: with the shared expert stacked (as the resident block stacks it on the Triton path) through
 moe_experts_with_shared, else moe_experts with the dense shared MLP.
 
-HybridExperts (`--expert-offload hybrid`): experts [0, N) are resident; the device computes their
-fp32 partial sum (kernels.moe_experts, ascending id), the CPU computes each routed product of the
-experts [N, E) from host memory (moe_ref.expert_products: one row at a time, call-invariant
-activations), and the device adds those to the partial in ascending id. Since every host expert's id
-is above every resident one, each token's experts are added in ascending id, the resident order; on a
-CPU-only machine the products are the resident path's too, so the bits equal it. On a GPU the CPU's
-products differ in the last bits from the GPU's, but a row's result still depends only on the row
-(static placement, fixed order), so speculative decoding stays exact within the mode.
+HybridExperts (`--expert-offload hybrid`): N experts per layer are resident ([0, N), or a placement
+file's ids). The block renumbers the layer's experts so the resident ones come first: `rank` maps an
+expert id to its place in [resident ids ascending, host ids ascending], the identity for [0, N). On
+the ranks, the device computes the fp32 partial sum over the resident experts (kernels.moe_experts,
+ascending rank = ascending id), the CPU computes each routed product of the host experts from host
+memory (moe_ref.expert_products: one row at a time, call-invariant activations), and the device adds
+those to the partial in ascending rank (moe_ref.add_products). So each token's sum is fixed: its
+resident experts in ascending id, then its host experts in ascending id; for [0, N) that is ascending
+id, the resident model's order, and on a CPU-only machine the products are the resident path's too,
+so the bits equal it. On a GPU the CPU's products differ in the last bits from the GPU's, but a row's
+result still depends only on the row (static placement, fixed order), so speculative decoding stays
+exact within the mode.
 """
 
 from __future__ import annotations
@@ -81,11 +85,12 @@ class CachedExperts:
 
 
 class HybridExperts:
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, store: HostExpertStore, top_k: int):
-        self.gate_up = gate_up  # [N, 2I, H] experts [0, N) on the device
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, store: HostExpertStore, top_k: int, rank: torch.Tensor):
+        self.gate_up = gate_up  # [N, 2I, H] the resident experts (ranks [0, N)) on the device
         self.down = down  # [N, H, I]
-        self.store = store  # experts [N, E) in host memory
+        self.store = store  # ranks [N, E) in host memory
         self.top_k = top_k
+        self.rank = rank  # [E] int64 on the device: expert id -> rank (resident ids ascending, then host ids ascending)
 
     @property
     def num_resident_experts(self) -> int:
@@ -110,19 +115,20 @@ class HybridExperts:
     def __call__(self, moe, x, experts, weights, blocks, shared_gate, stacked: bool) -> torch.Tensor:  # x [N, H] -> [N, H]
         assert not stacked, "a hybrid block keeps its shared expert dense"
         first_host = self.num_resident_experts
-        experts_host = experts.cpu()
-        on_host = experts_host >= first_host  # [N, top_k]
-        host_ids = sorted(set(experts_host[on_host].tolist()))
+        ranks = self.rank[experts]  # [N, top_k] ids -> ranks: the resident experts are [0, N)
+        ranks_host = ranks.cpu()
+        on_host = ranks_host >= first_host  # [N, top_k]
+        host_ranks = sorted(set(ranks_host[on_host].tolist()))
         rows_host = on_host.any(dim=1).nonzero().flatten()
         # the device's part is queued first, so on CUDA it runs while the CPU computes its products
         if first_host:
-            acc = kernels.moe_experts(x, experts, weights, self.gate_up, self.down, 0)  # [N, H] fp32
+            acc = kernels.moe_experts(x, ranks, weights, self.gate_up, self.down, 0)  # [N, H] fp32
         else:
             acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if host_ids:
-            gate_up, down = self.store.weights(host_ids)
+        if host_ranks:
+            gate_up, down = self.store.weights(host_ranks)
             idx = rows_host.to(x.device)
             x_host, weights_host = x[idx].cpu(), weights[idx].cpu()
-            products = moe_ref.expert_products(x_host, experts_host[rows_host], weights_host, gate_up, down, first_host)
-            acc[idx] = moe_ref.add_products(acc[idx], experts[idx], products.to(x.device), first_host)
+            products = moe_ref.expert_products(x_host, ranks_host[rows_host], weights_host, gate_up, down, first_host)
+            acc[idx] = moe_ref.add_products(acc[idx], ranks[idx], products.to(x.device), first_host)
         return acc.to(x.dtype) + activation_ref.sigmoid(shared_gate) * moe.shared_expert(x)

@@ -4,7 +4,9 @@ The store holds experts [first, E) of the layer: gate_up [E - first, 2I, H] and 
 in the model's dtype, allocated on first use (pinned when the model runs on CUDA, so copies to the
 device are asynchronous DMA) and filled one expert at a time as the router first asks for it, from the
 memory-mapped checkpoint (`get_slice`: only that expert's bytes are read). A filled expert is never
-written again, so a copy in flight from it is always safe.
+written again, so a copy in flight from it is always safe. With `checkpoint_ids` the store's ids are a
+renumbering of the layer's experts (hybrid with a placement file): id e is checkpoint expert
+checkpoint_ids[e].
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 class HostExpertStore:
     def __init__(self, source, gate_up_name: str, down_name: str, first: int, num_experts: int,
-                 gate_up_shape: tuple[int, int], down_shape: tuple[int, int], dtype: torch.dtype, pin: bool):
+                 gate_up_shape: tuple[int, int], down_shape: tuple[int, int], dtype: torch.dtype, pin: bool,
+                 checkpoint_ids: tuple[int, ...] | None = None):
         self.source = source  # a TensorSource: get(name), and get_slice(name, dim, start, stop) when it has one
         self.gate_up_name, self.down_name = gate_up_name, down_name
         self.first, self.num_experts = first, num_experts
@@ -23,6 +26,7 @@ class HostExpertStore:
         self._gate_up: torch.Tensor | None = None  # [E - first, 2I, H] once allocated
         self._down: torch.Tensor | None = None  # [E - first, H, I]
         self._loaded = [False] * (num_experts - first)
+        self.checkpoint_ids = checkpoint_ids  # store id -> the checkpoint's expert index; None: the same
 
     @property
     def num_stored(self) -> int:
@@ -52,6 +56,8 @@ class HostExpertStore:
                 self._loaded[local] = True
 
     def _read(self, name: str, expert: int) -> torch.Tensor:  # -> [2I, H] or [H, I] in the checkpoint's dtype
+        if self.checkpoint_ids is not None:
+            expert = self.checkpoint_ids[expert]
         get_slice = getattr(self.source, "get_slice", None)
         if get_slice is not None:
             return get_slice(name, 0, expert, expert + 1)[0]

@@ -30,6 +30,8 @@ shared expert is split like a dense MLP. An expert count the ranks do not divide
 With its routed experts offloaded (`offload`, layers/expert_offload.py: a device cache of expert slots,
 or a static GPU/CPU split) the block routes as above but without the fused entry, and hands the routing
 to the offload, which reads it on the host to place the experts and then runs the same expert kernels.
+A `routing_observer` (layers/routing_counts.py) is handed each routing's expert ids [N, top_k]; while
+one is set the block skips the fused entry too.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class SparseMoE(nn.Module):
         self.gates_weight: torch.Tensor | None = None  # [E + 1, H] = [router | shared gate] once merged
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # gate_up [E + 1, 2I, H], down [E + 1, H, I] once merged
         self.offload = None  # an OffloadedExperts when the routed experts live off the device (layers/expert_offload.py)
+        self.routing_observer = None  # a callable given each routing's expert ids [N, top_k] (layers/routing_counts.py)
 
     def merge_projections(self) -> None:
         """Read the router and the shared-expert gate as one weight, and stack the shared expert after
@@ -97,6 +100,8 @@ class SparseMoE(nn.Module):
         router, shared_gate = self._gates(x)
         stacked = self.stacked is not None and kernels.use_triton(x)
         routing = kernels.moe_route(router, self.top_k, x.dtype, **self._routed(stacked))
+        if self.routing_observer is not None:
+            self.routing_observer(routing[0][:, : self.top_k])
         if self.offload is not None:
             return self.offload(self, x, *routing, shared_gate, stacked)
         return self._experts(x, *routing, shared_gate, stacked)
@@ -106,7 +111,8 @@ class SparseMoE(nn.Module):
         norm, the gates and the routing are one launch (`kernels.moe_add_norm_route`); [N, H] each.
         defer_output: the block output may come back as a `PendingCombine` for the caller's next
         `kernels.add_zc_rms_norm`, which then combines it (stacked shared expert, decode sizes)."""
-        if self.offload is not None or self.gates_weight is None or not kernels.use_triton(residual) or not kernels.FUSE_MOE_ENTRY:
+        unfused = self.offload is not None or self.routing_observer is not None
+        if unfused or self.gates_weight is None or not kernels.use_triton(residual) or not kernels.FUSE_MOE_ENTRY:
             residual, h = kernels.add_zc_rms_norm(x, residual, norm.weight, norm.eps)
             return self(h), residual
         stacked = self.stacked is not None

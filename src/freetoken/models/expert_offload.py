@@ -20,6 +20,7 @@ import torch
 from freetoken.errors import CheckpointError, FreetokenError
 from freetoken.layers.expert_cache import ExpertSlotCache
 from freetoken.layers.expert_offload import CachedExperts, HybridExperts
+from freetoken.layers.expert_placement import layer_name
 from freetoken.layers.expert_store import HostExpertStore
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.offload_config import ExpertOffloadConfig
@@ -57,6 +58,8 @@ class ExpertOffloader:
             del experts.gate_up_proj, experts.down_proj
         if not self.shapes:
             raise FreetokenError("--expert-offload needs a MoE model; this one has no routed experts")
+        if self.config.placement is not None:
+            self.config.placement.check_layers({layer_name(name): s.num_experts for name, s in self.shapes.items()})
         resident = sum(p.numel() * p.element_size() for p in model.parameters())
         self._check_fits(resident, self._plan_expert_bytes())
 
@@ -97,16 +100,20 @@ class ExpertOffloader:
             gate_up_name, down_name = f"{name}.experts.gate_up_proj", f"{name}.experts.down_proj"
             for tensor, per_expert in ((gate_up_name, shape.gate_up), (down_name, shape.down)):
                 _check_stored_shape(source, tensor, (shape.num_experts, *per_expert))
-            resident = 0 if self.config.mode == "cache" else self.config.num_resident_experts(shape.num_experts)
-            store = HostExpertStore(source, gate_up_name, down_name, resident, shape.num_experts, shape.gate_up, shape.down,
-                                    self.dtype, pin)
             if self.config.mode == "cache":
+                store = HostExpertStore(source, gate_up_name, down_name, 0, shape.num_experts, shape.gate_up, shape.down,
+                                        self.dtype, pin)
                 slots = min(self.num_slots, shape.num_experts)
                 moe.offload = CachedExperts(ExpertSlotCache(store, slots, self.device, moe.stacks_shared_expert), shape.top_k)
-            else:
-                gate_up = _read_experts(source, gate_up_name, resident, self.device, self.dtype)
-                down = _read_experts(source, down_name, resident, self.device, self.dtype)
-                moe.offload = HybridExperts(gate_up, down, store, shape.top_k)
+                continue
+            resident = self.config.resident_experts(layer_name(name), shape.num_experts)
+            by_rank = tuple(resident + [e for e in range(shape.num_experts) if e not in set(resident)])  # rank -> expert id
+            store = HostExpertStore(source, gate_up_name, down_name, len(resident), shape.num_experts, shape.gate_up, shape.down,
+                                    self.dtype, pin, checkpoint_ids=by_rank)
+            gate_up = _read_experts(source, gate_up_name, resident, self.device, self.dtype)
+            down = _read_experts(source, down_name, resident, self.device, self.dtype)
+            rank = torch.argsort(torch.tensor(by_rank)).to(self.device)  # expert id -> rank
+            moe.offload = HybridExperts(gate_up, down, store, shape.top_k, rank)
         model.supports_cuda_graphs = False
         model.expert_offload = self.config
 
@@ -125,9 +132,16 @@ def _check_stored_shape(source, name: str, shape: tuple[int, ...]) -> None:
         raise CheckpointError(f"tensor {name} has shape {stored}, expected {shape}")
 
 
-def _read_experts(source, name: str, count: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:  # -> [count, ...]
+def _read_experts(source, name: str, experts: list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The given experts' rows of tensor `name`, in that order -> [len(experts), ...] on device."""
     get_slice = getattr(source, "get_slice", None)
-    tensor = get_slice(name, 0, 0, count) if get_slice is not None else source.get(name)[:count]
+    count = len(experts)
+    if experts == list(range(count)):
+        tensor = get_slice(name, 0, 0, count) if get_slice is not None else source.get(name)[:count]
+    elif get_slice is not None:
+        tensor = torch.stack([get_slice(name, 0, e, e + 1)[0] for e in experts])
+    else:
+        tensor = source.get(name)[experts]
     return tensor.to(device=device, dtype=dtype).contiguous()
 
 
