@@ -83,8 +83,6 @@ def test_mtp_draft_state_after_a_hit_is_the_one_without_cache(dtype, fixture_uni
 
 @pytest.fixture(scope="module")
 def dflash_checkpoint(tmp_path_factory) -> str:
-    if not (FIXTURES / "qwen35_dense_dflash").is_dir():
-        pytest.skip("DFlash fixtures absent")
     dst = tmp_path_factory.mktemp("dflash") / "unified"
     return str(convert_unified(FIXTURES / "qwen35_dense" / "hf", dst, dflash=FIXTURES / "qwen35_dense_dflash" / "dflash"))
 
