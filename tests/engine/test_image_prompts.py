@@ -61,6 +61,14 @@ def _hf_inputs(llm: LLM, text: str, names: list[str]):
     )
 
 
+def _logits_and_hf(llm: LLM, hf_dir):  # -> (ids, images, engine logits [T, V], the forward's context, transformers' logits)
+    """The engine's and transformers' fp32 logits of the two-image prompt."""
+    ids, images, inputs = _hf_inputs(llm, *TWO_IMAGES)
+    want = _hf(hf_dir)(**inputs).logits[0].float()
+    got, ctx = _prompt_logits(llm, ids, images)
+    return ids, images, got, ctx, want
+
+
 def _prompt_logits(llm, ids: list[int], images):  # -> (logits [T, V], the forward's context)
     """The engine's logits of one whole image prompt, prefilled in one piece from an empty cache."""
     from freetoken.engine.runner import RowGroup, build_context
@@ -80,9 +88,7 @@ def _prompt_logits(llm, ids: list[int], images):  # -> (logits [T, V], the forwa
 def test_prompt_logits_match_transformers(vl_checkpoints, model):  # noqa: F811
     hf_dir, unified = vl_checkpoints[model]
     llm = _llm(str(unified))
-    ids, images, inputs = _hf_inputs(llm, *TWO_IMAGES)
-    want = _hf(hf_dir)(**inputs).logits[0].float()
-    got, ctx = _prompt_logits(llm, ids, images)
+    ids, images, got, ctx, want = _logits_and_hf(llm, hf_dir)
     assert ctx.positions.shape == (3, len(ids))
     assert ctx.image_embeds.rows.numel() == sum(t * h * w for t, h, w in images.grids) // 4
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

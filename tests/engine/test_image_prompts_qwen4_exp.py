@@ -16,7 +16,7 @@ import torch
 
 from freetoken.engine.config import EngineConfig
 from freetoken.sampling import SamplingParams
-from tests.engine.test_image_prompts import IMAGES, LONG_TEXT, PROMPTS, TWO_IMAGES, _generate, _hf, _hf_inputs, _llm, _prompt_logits
+from tests.engine.test_image_prompts import IMAGES, LONG_TEXT, PROMPTS, TWO_IMAGES, _generate, _hf, _hf_inputs, _llm, _logits_and_hf
 from tests.models.vision.conftest import vl_qwen4_exp  # noqa: F401 (a fixture)
 
 
@@ -26,9 +26,7 @@ def test_prompt_logits_match_transformers(vl_qwen4_exp, rope):  # noqa: F811
     hf_dir, unified = vl_qwen4_exp[rope]
     llm = _llm(str(unified))
     assert llm.model.config.rope_type == rope
-    ids, images, inputs = _hf_inputs(llm, *TWO_IMAGES)
-    want = _hf(hf_dir)(**inputs).logits[0].float()
-    got, ctx = _prompt_logits(llm, ids, images)
+    ids, _, got, ctx, want = _logits_and_hf(llm, hf_dir)
     assert ctx.positions.shape == (3, len(ids)) and len(ids) > 150
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
