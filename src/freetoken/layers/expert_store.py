@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.distributed.sharding import ShardSpec, read_shard
+
 
 class HostExpertStore:
     def __init__(self, source, gate_up_name: str, down_name: str, first: int, num_experts: int,
@@ -58,10 +60,7 @@ class HostExpertStore:
     def _read(self, name: str, expert: int) -> torch.Tensor:  # -> [2I, H] or [H, I] in the checkpoint's dtype
         if self.checkpoint_ids is not None:
             expert = self.checkpoint_ids[expert]
-        get_slice = getattr(self.source, "get_slice", None)
-        if get_slice is not None:
-            return get_slice(name, 0, expert, expert + 1)[0]
-        return self.source.get(name)[expert]
+        return read_shard(self.source, name, ShardSpec(0, ((expert, expert + 1),)))[0]
 
     def weights(self, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E - first, 2I, H], down [E - first, H, I]) with at least `experts` loaded (row e - first holds e)."""

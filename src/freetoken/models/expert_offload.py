@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.distributed.sharding import ShardSpec, read_shard
 from freetoken.errors import CheckpointError, FreetokenError
 from freetoken.layers.expert_cache import ExpertSlotCache
 from freetoken.layers.expert_offload import CachedExperts, HybridExperts
@@ -134,14 +135,13 @@ def _check_stored_shape(source, name: str, shape: tuple[int, ...]) -> None:
 
 def _read_experts(source, name: str, experts: list[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The given experts' rows of tensor `name`, in that order -> [len(experts), ...] on device."""
-    get_slice = getattr(source, "get_slice", None)
-    count = len(experts)
-    if experts == list(range(count)):
-        tensor = get_slice(name, 0, 0, count) if get_slice is not None else source.get(name)[:count]
-    elif get_slice is not None:
-        tensor = torch.stack([get_slice(name, 0, e, e + 1)[0] for e in experts])
-    else:
-        tensor = source.get(name)[experts]
+    runs: list[tuple[int, int]] = []  # consecutive ids read as one range
+    for e in experts:
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    tensor = read_shard(source, name, ShardSpec(0, tuple(runs) or ((0, 0),)))
     return tensor.to(device=device, dtype=dtype).contiguous()
 
 
