@@ -24,15 +24,19 @@ def mrope_axes(half: int, mrope_section: tuple[int, ...]) -> list[int]:
     return [1 if i % 3 == 1 and i < 3 * s_h else 2 if i % 3 == 2 and i < 3 * s_w else 0 for i in range(half)]
 
 
+def rope_freqs(positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor | None = None) -> torch.Tensor:
+    """positions [N] (or [3, N] with axes, mrope_axes as a tensor) -> fp32 angles [N, len(inv_freq)]."""
+    if positions.dim() == 2:
+        return positions.float()[axes.to(positions.device), :].t() * inv_freq[None, :]
+    return positions.float()[:, None] * inv_freq[None, :]
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: tuple[int, ...] = ()) -> torch.Tensor:
     """x [N, heads, head_dim], positions [N] (or [3, N] with mrope_section) -> x with its first
     2 * len(inv_freq) channels rotated."""
     rotary_dim = 2 * inv_freq.shape[0]
-    if positions.dim() == 2:
-        axes = torch.tensor(mrope_axes(inv_freq.shape[0], mrope_section), device=positions.device)
-        freqs = positions.float()[axes, :].t() * inv_freq[None, :]  # [N, rotary_dim / 2]
-    else:
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, rotary_dim / 2]
+    axes = torch.tensor(mrope_axes(inv_freq.shape[0], mrope_section)) if positions.dim() == 2 else None
+    freqs = rope_freqs(positions, inv_freq, axes)  # [N, rotary_dim / 2]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos = emb.cos().to(x.dtype)[:, None, :]
     sin = emb.sin().to(x.dtype)[:, None, :]

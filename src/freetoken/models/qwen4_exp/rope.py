@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from freetoken.kernels.rope_ref import mrope_axes, rope_inv_freq
+from freetoken.kernels.rope_ref import mrope_axes, rope_freqs, rope_inv_freq
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 from freetoken.models.qwen4_exp.ops import per_row
 
@@ -61,11 +61,7 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] (or [3, N] (t, h, w)) -> cos, sin [N, rotary_dim] in dtype (scaled, then cast, as
         transformers does)."""
-        if positions.dim() == 2:
-            axes = self.mrope_axes.to(positions.device)
-            freqs = positions.float()[axes, :].t() * self.inv_freq.to(positions.device)[None, :]
-        else:
-            freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        freqs = rope_freqs(positions, self.inv_freq.to(positions.device), self.mrope_axes)
         cos = per_row(lambda f: f.cos() * self.scale, freqs)
         sin = per_row(lambda f: f.sin() * self.scale, freqs)
         return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
