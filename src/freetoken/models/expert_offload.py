@@ -108,7 +108,8 @@ class ExpertOffloader:
                 moe.offload = CachedExperts(ExpertSlotCache(store, slots, self.device, moe.stacks_shared_expert), shape.top_k)
                 continue
             resident = self.config.resident_experts(layer_name(name), shape.num_experts)
-            by_rank = tuple(resident + [e for e in range(shape.num_experts) if e not in set(resident)])  # rank -> expert id
+            resident_set = set(resident)
+            by_rank = tuple(resident + [e for e in range(shape.num_experts) if e not in resident_set])  # rank -> expert id
             store = HostExpertStore(source, gate_up_name, down_name, len(resident), shape.num_experts, shape.gate_up, shape.down,
                                     self.dtype, pin, checkpoint_ids=by_rank)
             gate_up = _read_experts(source, gate_up_name, resident, self.device, self.dtype)
