@@ -16,6 +16,12 @@ import torch
 from freetoken.distributed.sharding import ShardSpec, read_shard
 
 
+def expert_bytes(gate_up_shape: tuple[int, int], down_shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """One expert's gate_up [2I, H] and down [H, I] bytes in `dtype`."""
+    (a, b), (c, d) = gate_up_shape, down_shape
+    return (a * b + c * d) * dtype.itemsize
+
+
 class HostExpertStore:
     def __init__(self, source, gate_up_name: str, down_name: str, first: int, num_experts: int,
                  gate_up_shape: tuple[int, int], down_shape: tuple[int, int], dtype: torch.dtype, pin: bool,
@@ -37,8 +43,7 @@ class HostExpertStore:
     @property
     def expert_bytes(self) -> int:
         """One expert's gate_up and down bytes in the model dtype."""
-        (a, b), (c, d) = self.gate_up_shape, self.down_shape
-        return (a * b + c * d) * self.dtype.itemsize
+        return expert_bytes(self.gate_up_shape, self.down_shape, self.dtype)
 
     @property
     def capacity_bytes(self) -> int:

@@ -22,7 +22,7 @@ from freetoken.errors import CheckpointError, FreetokenError
 from freetoken.layers.expert_cache import ExpertSlotCache
 from freetoken.layers.expert_offload import CachedExperts, HybridExperts
 from freetoken.layers.expert_placement import layer_name
-from freetoken.layers.expert_store import HostExpertStore
+from freetoken.layers.expert_store import HostExpertStore, expert_bytes
 from freetoken.layers.moe import SparseMoE
 from freetoken.layers.offload_config import ExpertOffloadConfig
 
@@ -46,8 +46,7 @@ class ExpertOffloader:
         self.num_slots = 0  # cache: slots per MoE layer
 
     def expert_bytes(self, shape: ExpertShape) -> int:
-        (a, b), (c, d) = shape.gate_up, shape.down
-        return (a * b + c * d) * self.dtype.itemsize
+        return expert_bytes(shape.gate_up, shape.down, self.dtype)
 
     @torch.no_grad()
     def detach(self, model: torch.nn.Module) -> None:
