@@ -151,7 +151,7 @@ class LLM:
         if chat:
             text = self.apply_chat_template(text)
         tokens = image_prompts.ImageTokenIds.from_config(self.checkpoint.config)
-        ids = image_prompts.marked_token_ids(text, lambda s: self.tokenizer.encode(s, add_special_tokens=False).ids, tokens)
+        ids = image_prompts.marked_token_ids(text, self.encode, tokens)
         return image_prompts.request_images(ids, images, self.checkpoint.config, self.image_processing)
 
     def _check_images(self) -> None:
