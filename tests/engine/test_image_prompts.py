@@ -69,6 +69,12 @@ def _logits_and_hf(llm: LLM, hf_dir):  # -> (ids, images, engine logits [T, V], 
     return ids, images, got, ctx, want
 
 
+def _hf_greedy(llm: LLM, hf_dir, new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of the two-image prompt."""
+    ids, _, inputs = _hf_inputs(llm, *TWO_IMAGES)
+    return _hf(hf_dir).generate(**inputs, max_new_tokens=new_tokens, do_sample=False)[0, len(ids) :].tolist()
+
+
 def _prompt_logits(llm, ids: list[int], images):  # -> (logits [T, V], the forward's context)
     """The engine's logits of one whole image prompt, prefilled in one piece from an empty cache."""
     from freetoken.engine.runner import RowGroup, build_context
@@ -98,9 +104,7 @@ def test_prompt_logits_match_transformers(vl_checkpoints, model):  # noqa: F811
 def test_greedy_continuation_matches_transformers_generate(vl_checkpoints):  # noqa: F811
     hf_dir, unified = vl_checkpoints["qwen35_dense"]
     llm = _llm(str(unified))
-    ids, _, inputs = _hf_inputs(llm, *TWO_IMAGES)
-    want = _hf(hf_dir).generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
-    assert _generate(llm, [TWO_IMAGES], 6)[0] == want
+    assert _generate(llm, [TWO_IMAGES], 6)[0] == _hf_greedy(llm, hf_dir, 6)
 
 
 @pytest.mark.parametrize("model", ["qwen35_dense", "qwen35_moe"])

@@ -16,7 +16,7 @@ import torch
 
 from freetoken.engine.config import EngineConfig
 from freetoken.sampling import SamplingParams
-from tests.engine.test_image_prompts import IMAGES, LONG_TEXT, PROMPTS, TWO_IMAGES, _generate, _hf, _hf_inputs, _llm, _logits_and_hf
+from tests.engine.test_image_prompts import IMAGES, LONG_TEXT, PROMPTS, TWO_IMAGES, _generate, _hf_greedy, _llm, _logits_and_hf
 from tests.models.vision.conftest import vl_qwen4_exp  # noqa: F401 (a fixture)
 
 
@@ -36,9 +36,7 @@ def test_prompt_logits_match_transformers(vl_qwen4_exp, rope):  # noqa: F811
 def test_greedy_continuation_matches_transformers_generate(vl_qwen4_exp, rope):  # noqa: F811
     hf_dir, unified = vl_qwen4_exp[rope]
     llm = _llm(str(unified))
-    ids, _, inputs = _hf_inputs(llm, *TWO_IMAGES)
-    want = _hf(hf_dir).generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
-    assert _generate(llm, [TWO_IMAGES], 6)[0] == want
+    assert _generate(llm, [TWO_IMAGES], 6)[0] == _hf_greedy(llm, hf_dir, 6)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
