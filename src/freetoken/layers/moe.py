@@ -137,6 +137,11 @@ class SparseMoE(nn.Module):
         return kernels.moe_experts(*routed, self.shared_expert(x), shared_gate, blocks)
 
 
+def moe_blocks(model: nn.Module) -> list[tuple[str, SparseMoE]]:
+    """The model's SparseMoE blocks with their module names, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoE)]
+
+
 def _stack_shared_expert(experts: FusedExperts, mlp: MLP) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [E + 1, 2I, H] (gate rows first) and down [E + 1, H, I]: the experts, then the MLP as
     expert E. The experts' and the MLP's parameters become views of them (names and shapes unchanged)."""

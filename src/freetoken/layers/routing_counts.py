@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from freetoken.layers.expert_placement import layer_name
-from freetoken.layers.moe import SparseMoE
+from freetoken.layers.moe import moe_blocks
 
 
 class RoutingCounts:
@@ -35,7 +35,7 @@ class RoutingCounts:
 @contextmanager
 def count_routing(model: torch.nn.Module):
     """Yield a RoutingCounts that counts every routing of the model's SparseMoE blocks while open."""
-    blocks = {layer_name(name): m for name, m in model.named_modules() if isinstance(m, SparseMoE)}
+    blocks = {layer_name(name): m for name, m in moe_blocks(model)}
     counts = RoutingCounts({layer: m.experts.count for layer, m in blocks.items()})
     for layer, block in blocks.items():
         block.routing_observer = counts.observer(layer)

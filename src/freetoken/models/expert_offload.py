@@ -23,7 +23,7 @@ from freetoken.layers.expert_cache import ExpertSlotCache
 from freetoken.layers.expert_offload import CachedExperts, HybridExperts
 from freetoken.layers.expert_placement import layer_name
 from freetoken.layers.expert_store import HostExpertStore, expert_bytes
-from freetoken.layers.moe import SparseMoE
+from freetoken.layers.moe import moe_blocks
 from freetoken.layers.offload_config import ExpertOffloadConfig
 
 GIB = 2**30
@@ -51,7 +51,7 @@ class ExpertOffloader:
     @torch.no_grad()
     def detach(self, model: torch.nn.Module) -> None:
         """On the meta device: drop every SparseMoE's routed expert parameters and check that the rest fits."""
-        for name, moe in _moe_blocks(model):
+        for name, moe in moe_blocks(model):
             experts = moe.experts
             per_expert = tuple(experts.gate_up_proj.shape[1:]), tuple(experts.down_proj.shape[1:])
             self.shapes[name] = ExpertShape(experts.count, moe.top_k, *per_expert)
@@ -95,7 +95,7 @@ class ExpertOffloader:
     def attach(self, model: torch.nn.Module, source) -> None:
         """Give every SparseMoE its offloaded experts, read from `source` (a TensorSource)."""
         pin = self.device.type == "cuda"
-        for name, moe in _moe_blocks(model):
+        for name, moe in moe_blocks(model):
             shape = self.shapes[name]
             gate_up_name, down_name = f"{name}.experts.gate_up_proj", f"{name}.experts.down_proj"
             for tensor, per_expert in ((gate_up_name, shape.gate_up), (down_name, shape.down)):
@@ -117,10 +117,6 @@ class ExpertOffloader:
             moe.offload = HybridExperts(gate_up, down, store, shape.top_k, rank)
         model.supports_cuda_graphs = False
         model.expert_offload = self.config
-
-
-def _moe_blocks(model: torch.nn.Module) -> list[tuple[str, SparseMoE]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoE)]
 
 
 def _check_stored_shape(source, name: str, shape: tuple[int, ...]) -> None:
@@ -155,7 +151,7 @@ class WeightMemory:
 
 
 def weight_memory(model: torch.nn.Module) -> WeightMemory:
-    blocks = [m.offload for _, m in _moe_blocks(model) if m.offload is not None]
+    blocks = [m.offload for _, m in moe_blocks(model) if m.offload is not None]
     tensors = [*model.parameters(), *model.buffers()]
     for offload in blocks:
         tensors += offload.device_tensors
@@ -171,8 +167,8 @@ def describe_weight_memory(model: torch.nn.Module) -> str:
     m = weight_memory(model)
     line = f"weights: {_size(m.resident_bytes)} resident on {m.device}"
     if m.mode == "none":
-        return line + (" (every expert resident)" if _moe_blocks(model) else "")
-    blocks = [b.offload for _, b in _moe_blocks(model)]
+        return line + (" (every expert resident)" if moe_blocks(model) else "")
+    blocks = [b.offload for _, b in moe_blocks(model)]
     if m.mode == "cache":
         where = f"{blocks[0].cache.num_slots} expert slots per layer"
     else:
