@@ -58,9 +58,10 @@ class ExpertSlotCache:
         groups: list[list[int]] = []
         union: set[int] = set()
         for token, experts in enumerate(token_experts):
-            if groups and len(union | set(experts)) <= self.num_slots:
+            joined = union | set(experts)
+            if groups and len(joined) <= self.num_slots:
                 groups[-1].append(token)
-                union |= set(experts)
+                union = joined
             else:
                 groups.append([token])
                 union = set(experts)
