@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from freetoken.engine.linear_state_pool import LinearStatePool, copy_slot
+from freetoken.forward_context import LinearState
 
 
 class SnapshotStore:
@@ -21,11 +24,7 @@ class SnapshotStore:
         self.live = live
         self.slot_bytes = live.slot_bytes
         self.num_slots = min(max_slots, budget_bytes // self.slot_bytes)
-        conv, recurrent = live.state.conv, live.state.recurrent
-        self.pool = LinearStatePool(
-            conv.shape[0], self.num_slots, tuple(conv.shape[2:]), tuple(recurrent.shape[2:]), conv.dtype, conv.device,
-            _specs_like(live),
-        ) if self.num_slots else None
+        self.state = _state_like(live.state, self.num_slots) if self.num_slots else None
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
         self.last_use: dict[int, int] = {}  # held slot -> its last use (a tick)
         self.on_evict: dict[int, Callable[[], None]] = {}
@@ -46,14 +45,14 @@ class SnapshotStore:
         if not self.free_slots:
             self.drop(min(self.last_use, key=self.last_use.__getitem__))
         slot = self.free_slots.pop()
-        copy_slot(self.pool.state, slot, self.live.state, live_slot)
+        copy_slot(self.state, slot, self.live.state, live_slot)
         self.on_evict[slot] = on_evict
         self.touch(slot)
         return slot
 
     def restore(self, slot: int, live_slot: int) -> None:
         """Overwrite a live slot with a snapshot."""
-        copy_slot(self.live.state, live_slot, self.pool.state, slot)
+        copy_slot(self.live.state, live_slot, self.state, slot)
         self.touch(slot)
 
     def touch(self, slot: int) -> None:
@@ -67,7 +66,10 @@ class SnapshotStore:
         self.free_slots.append(slot)
 
 
-def _specs_like(live: LinearStatePool):
-    from freetoken.forward_context import StateSpec
+def _state_like(state: LinearState, num_slots: int) -> LinearState:
+    """Zeroed tensors of the state's layout (every layer, dtype, device) with num_slots slots."""
 
-    return tuple(StateSpec(name, t.shape[0], tuple(t.shape[2:]), t.dtype) for name, t in live.state.extra.items())
+    def like(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros((t.shape[0], num_slots, *t.shape[2:]))
+
+    return LinearState(like(state.conv), like(state.recurrent), {name: like(t) for name, t in state.extra.items()})
