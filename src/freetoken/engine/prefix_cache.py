@@ -73,10 +73,9 @@ class PrefixCache:
         self.block_size = kv_pool.block_size
         self.lookahead = int(getattr(spec, "pages_hold_draft_rows", False))
         self.prefill_align = prefill_align
-        self.hybrid = state_pool is not None
         exact_snapshots = prefill_align % CHUNK == 0  # else the GDN rule of a position depends on where the prefill was cut
-        self.snapshots = None
-        if self.hybrid:
+        self.snapshots = None  # None: no linear-attention state to keep
+        if state_pool is not None:
             self.snapshots = SnapshotStore(state_pool, snapshot_budget_bytes if exact_snapshots else 0, kv_pool.num_blocks)
         self.cut_multiple = math.lcm(self.block_size, prefill_align) if self.hybrid else self.block_size
         self.shared = SharedPrefixes(self.block_size)
@@ -86,6 +85,11 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self.clock = 0
         kv_pool.reclaimer = self
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model has linear-attention state (a hit must restore a snapshot of it)."""
+        return self.snapshots is not None
 
     # -- the requests' lifecycle -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -185,7 +189,7 @@ class PrefixCache:
             self._touch(child)
             node = child
         at_boundary = node is not self.root and node.num_tokens == num_tokens
-        if snapshot and self.snapshots is not None and at_boundary and node.snapshot is None:
+        if snapshot and self.hybrid and at_boundary and node.snapshot is None:
             node.snapshot = self.snapshots.take(request.state_slot, on_evict=lambda n=node: setattr(n, "snapshot", None))
             node.snapshot_chunked = min(num_tokens, request.chunkable_end(self.prefill_align))
 
