@@ -253,4 +253,4 @@ def _nbytes(context: Any) -> int:
         return 0
     if isinstance(context, (tuple, list)):
         return sum(_nbytes(c) for c in context)
-    return context.numel() * context.element_size()
+    return context.nbytes
