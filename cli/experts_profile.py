@@ -5,19 +5,23 @@ step is counted), counts the router's picks per layer and expert (layers/routing
 a placement file for `--expert-offload hybrid --expert-placement` (layers/expert_placement.py): per layer
 the N most picked experts (ties to the lower id, listed ascending) under "resident", all counts under
 "counts". N comes from --gpu-experts (a count, fraction or percentage of the layer's experts).
+With --expert-cache-gb the profile runs the experts through the device cache (`--expert-offload cache`,
+bit for bit the resident model's routing), so a model whose experts do not fit the device can be profiled
+there.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from freetoken.cli._options import DeviceOpt, DType, DTypeOpt, ModelArg, PromptOpt, PromptsFileOpt, console
 
 DECODE_HELP = "Greedy tokens decoded (and counted) after each prefill."
+CACHE_HELP = "Run the experts through a device cache of this many GiB (as --expert-offload cache; same routing as resident)."
 GPU_EXPERTS_HELP = "Experts per layer to keep resident: a count (64), a fraction (0.25) or a percentage (25%)."
 
 
@@ -31,6 +35,7 @@ def experts_profile(
     device: DeviceOpt = "cpu",
     dtype: DTypeOpt = DType.float32,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 16,
+    expert_cache_gb: Annotated[Optional[float], typer.Option("--expert-cache-gb", help=CACHE_HELP, show_default=False)] = None,
 ) -> None:
     """Count router picks per MoE layer on a workload and write the top experts as a placement file."""
     from freetoken.cli.prompts import read_prompts
@@ -38,10 +43,11 @@ def experts_profile(
     from freetoken.layers.offload_config import ExpertOffloadConfig
 
     resident_rule = ExpertOffloadConfig.from_options("hybrid", gpu_experts=gpu_experts)
+    offload = ExpertOffloadConfig.from_options("cache", expert_cache_gb) if expert_cache_gb is not None else ExpertOffloadConfig()
     texts = read_prompts(prompt, prompts)
     if not texts:
         raise FreetokenError("experts-profile needs prompts: --prompts FILE or --prompt TEXT")
-    placement = profile(model, texts, resident_rule, decode_tokens, device, dtype.value, batch_size)
+    placement = profile(model, texts, resident_rule, decode_tokens, device, dtype.value, batch_size, offload)
     if not placement["resident"]:
         raise FreetokenError("experts-profile needs a MoE model; this one has no routed experts")
     out.write_text(json.dumps(placement, indent=1) + "\n")
@@ -49,7 +55,7 @@ def experts_profile(
 
 
 def profile(model: str | None, texts: list[str], resident_rule, decode_tokens: int, device: str, dtype: str,
-            batch_size: int) -> dict:
+            batch_size: int, offload=None) -> dict:
     """-> the placement file's content: {"resident": {layer: ids}, "counts": {layer: picks per id}, "prompt_tokens",
     "decode_tokens"}."""
     from freetoken.engine.config import EngineConfig
@@ -57,7 +63,10 @@ def profile(model: str | None, texts: list[str], resident_rule, decode_tokens: i
     from freetoken.llm import LLM
     from freetoken.sampling import SamplingParams
 
-    llm = LLM(model, EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_model_len=8192))
+    from freetoken.layers.offload_config import ExpertOffloadConfig
+
+    config = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch_size, max_model_len=8192, expert_offload=offload or ExpertOffloadConfig())
+    llm = LLM(model, config)
     llm.model.supports_cuda_graphs = False  # a replayed graph would not reach the counter
     ids = [llm.encode(t) for t in texts]
     with count_routing(llm.model) as counts:

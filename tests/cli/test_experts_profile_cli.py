@@ -84,3 +84,16 @@ def test_bad_placement_exits_with_one_line_and_writes_nothing(moe, tmp_path, con
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0] and str(placement) in lines[0], done.stderr
     assert not out.exists()
+
+
+def test_profile_through_the_expert_cache_counts_the_same(moe, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    written = {}
+    for mode, extra in {"resident": [], "cache": ["--expert-cache-gb", "0.0002"]}.items():
+        out = tmp_path / f"{mode}.json"
+        result = CliRunner().invoke(app, ["experts-profile", moe, "--prompts", str(prompts), "--decode-tokens", "3", "--out", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        written[mode] = json.loads(out.read_text())
+    assert written["cache"] == written["resident"]
+    assert sum(map(sum, written["cache"]["counts"].values())) > 0
