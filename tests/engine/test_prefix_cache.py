@@ -167,3 +167,44 @@ def test_shared_prefixes_plan_cuts_and_hold_back_requests_that_share_a_prefix_be
     shared.remove(0)
     shared.remove(2)
     assert not shared.ids and not shared.counts
+
+
+def test_reclaim_evicts_in_least_recently_used_order_with_parents_entering_at_their_own_last_use():
+    pool = _pool(16)
+    cache = PrefixCache(pool, None, NoSpec(), prefill_align=64, snapshot_budget_bytes=0)
+    names: dict[int, str] = {}
+
+    def computed(request_id: int, tokens: list[int], num_tokens: int, labels: list[str]) -> Request:
+        request = _request(request_id, tokens)
+        cache.acquire(request)
+        _computed(pool, cache, request, num_tokens)
+        names.update(zip(request.block_table[len(request.block_table) - len(labels):], labels))
+        return request
+
+    def used(request_id: int, tokens: list[int], num_pages: int) -> Request:
+        request = _request(request_id, tokens)
+        assert len(cache.acquire(request)) == num_pages
+        return request
+
+    a = computed(0, list(range(1, 14)), 12, ["a1", "a2", "a3"])
+    b = computed(1, list(range(1, 9)) + [50, 51, 52, 53, 99], 12, ["b3"])  # shares a1 a2
+    c = computed(2, list(range(70, 83)), 8, ["c1", "c2"])
+    for r in (a, b, c):
+        pool.free(r.block_table)
+    pool.free(used(3, list(range(1, 13)) + [60, 61], 3).block_table)  # a1 a2 a3 used again
+    holds_c1 = used(4, [70, 71, 72, 73, 90, 91, 92, 93, 94], 1)
+    pool.free(computed(5, [30, 31, 32, 33, 34], 4, ["g1"]).block_table)
+    pool.free(used(6, list(range(1, 9)) + [40, 41], 2).block_table)  # a1 a2 used after a3 and g1
+
+    evicted = []
+    while True:
+        free_before = pool.num_free_blocks
+        cache.reclaim(1)
+        if pool.num_free_blocks == free_before:
+            break
+        evicted.append(names[pool.free_blocks[-1]])
+    # c2's parent c1 is held; a2 (used after a3 and g1) becomes a leaf when a3 goes but waits behind g1
+    assert evicted == ["b3", "c2", "a3", "g1", "a2", "a1"]
+    pool.free(holds_c1.block_table)
+    cache.reclaim(1)
+    assert names[pool.free_blocks[-1]] == "c1" and cache.num_pages == 0
