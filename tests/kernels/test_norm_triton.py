@@ -97,3 +97,20 @@ def test_gated_norm_reads_a_strided_gate_in_place(device):
     gate = wide[:, 5 : 5 + 3 * d].view(4, 3, d)  # rows 3d + 7 apart: not reshapeable to 2-D
     got = norm_triton.gated_rms_norm(x, gate, w, 1e-6, "silu")
     torch.testing.assert_close(got, norm_ref.gated_rms_norm(x, gate, w, 1e-6, "silu"), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_zc_norm_matches_reference_and_per_group_norms(device, dtype):
+    streams, h = 4, 48 if device == "cpu" else 2560
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, streams * h, generator=gen) * 3).to(dtype).to(device)
+    x[:, h : 2 * h] *= 40  # streams of different scales: one RMS each
+    w = (torch.randn(streams * h, generator=gen) * 0.5).to(dtype).to(device)
+    got, want = norm_triton.grouped_zc_rms_norm(x, w, h, 1e-6), norm_ref.grouped_zc_rms_norm(x, w, h, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    per_stream = torch.cat([norm_ref.zc_rms_norm(x[:, s * h : (s + 1) * h], w[s * h : (s + 1) * h], 1e-6) for s in range(streams)], dim=1)
+    torch.testing.assert_close(want.float(), per_stream.float(), **TOL[dtype])
+    for i in range(5):
+        assert torch.equal(norm_triton.grouped_zc_rms_norm(x[i : i + 1], w, h, 1e-6), got[i : i + 1])

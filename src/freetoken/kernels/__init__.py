@@ -117,6 +117,15 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return norm_ref.zc_rms_norm(x, weight, eps)
 
 
+def grouped_zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """norm(x) * (1 + w) with one RMS per `group`-wide slice; x [..., G * group], weight [G * group]."""
+    if use_triton(x):
+        from freetoken.kernels import norm_triton
+
+        return norm_triton.grouped_zc_rms_norm(x, weight, group, eps)
+    return norm_ref.grouped_zc_rms_norm(x, weight, group, eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """w * norm(x); x [..., D], weight [D]."""
     if use_triton(x):
@@ -210,6 +219,29 @@ def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: tor
 
         return conv_triton.causal_conv1d(windows, rows, weight, batch, write_state)
     return batched.causal_conv1d_batched(windows, rows, weight, batch, write_state)
+
+
+def dilated_causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, batch: SeqBatch, dilation: int, write_state: bool = True) -> torch.Tensor:
+    """silu(dilated causal conv) of rows [N, C] with the window pool [slots, (K-1) * dilation, C] (entries of
+    positions before 0 read as zero), weight [C, K]; windows advance if write_state (the PLE layer's)."""
+    if use_triton(rows):
+        from freetoken.kernels import dilated_conv_triton
+
+        return dilated_conv_triton.dilated_causal_conv1d(windows, rows, weight, batch, dilation, write_state)
+    from freetoken.kernels import ple_ref
+
+    return ple_ref.dilated_causal_conv1d_batched(windows, rows, weight, batch, dilation, write_state)
+
+
+def ple_gated_value(k: torch.Tensor, q: torch.Tensor, v: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PLE layer's gated value gv and its per-stream norm gvn [N, S*H] of k, q [N, S*H], v [N, H]; see ple_ref."""
+    if use_triton(v):
+        from freetoken.kernels import ple_gate_triton
+
+        return ple_gate_triton.gated_value(k, q, v, norm_weight, eps)
+    from freetoken.kernels import ple_ref
+
+    return ple_ref.gated_value(k, q, v, norm_weight, eps)
 
 
 def gdn_fused_recurrent(state, conv_out, a, b, a_log, dt_bias, num_k_heads: int, batch: SeqBatch, write_state: bool = True, compute_output: bool = True, out_dtype: torch.dtype = torch.float32, prefetch: "Span | None" = None):
@@ -311,10 +343,12 @@ __all__ = [
     "silu_mul",
     "apply_rope",
     "causal_conv1d_batched",
+    "dilated_causal_conv1d_batched",
     "embedding",
     "take_fed_back",
     "torch_only",
     "gated_rms_norm",
+    "grouped_zc_rms_norm",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",
@@ -327,6 +361,7 @@ __all__ = [
     "moe_route",
     "norm_rope_store",
     "paged_attention_batched",
+    "ple_gated_value",
     "rms_norm",
     "seq_batch",
     "store_kv",

@@ -1,4 +1,4 @@
-"""RMSNorm variants (reference): zero-centred (1 + w), plain (w), and gated (w * norm(x) * act(z)).
+"""RMSNorm variants (reference): zero-centred (1 + w), also per group of a row, plain (w), and gated (w * norm(x) * act(z)).
 
 Precision follows HF: normalise in fp32; the zero-centred form multiplies in fp32 and casts at the
 end, the gated form casts the normalised value first, then multiplies by w and by act(z) in fp32.
@@ -19,6 +19,14 @@ def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = norm(x) * (1 + w); x [..., D], weight [D]."""
     return (_normalize(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def grouped_zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """zc_rms_norm with one RMS per `group`-wide slice: x [..., G * group], weight [G * group] (transformers'
+    `Qwen4ExpTextRMSNorm` over hyper-connection streams)."""
+    shape = x.shape
+    normed = _normalize(x.reshape(*shape[:-1], -1, group), eps).reshape(shape)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """RMSNorm variants (Triton): zero-centred, plain, gated and residual-add + zero-centred; one program per row.
 
+The zero-centred form also normalises grouped rows (`grouped_zc_rms_norm`: one RMS per group of a
+wide row, each group with its own slice of the weight) as rows of one group each, whose weight
+slice is their row index modulo the groups.
+
 The residual-add form (and the MoE entry, moe_gate_triton) also takes a split-K linear's deferred
 output (linear_triton.PendingSplitK) and adds its slices as it loads the row (`load_row`).
 
@@ -37,6 +41,7 @@ def _rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
     D, stride_x, stride_z, stride_y, eps,
     z_heads, z_head_stride,  # z row r is at (r // z_heads) * stride_z + (r % z_heads) * z_head_stride
+    w_groups,  # row r reads weight[(r % w_groups) * D :][:D] (1: every row reads the whole weight)
     MODE: tl.constexpr,  # 0 zero-centred, 1 plain, 2 gated
     ACT: tl.constexpr,  # 0 silu, 1 sigmoid (gated only)
     BLOCK_D: tl.constexpr, PDL: tl.constexpr,
@@ -49,7 +54,7 @@ def _rms_norm_kernel(
     x = x_raw.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     n = x * rstd
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + (row % w_groups) * D + cols, mask=mask, other=0.0).to(tl.float32)
     if MODE == 0:
         y = n * (1.0 + w)
     else:
@@ -63,8 +68,10 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, mode: int, act: int, out_dtype: torch.dtype) -> torch.Tensor:
-    d = x.shape[-1]
+def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float, mode: int, act: int, out_dtype: torch.dtype,
+            d: int | None = None) -> torch.Tensor:
+    """The row kernel over x viewed as rows of d (default: its last dim) features; weight [w_groups * d]."""
+    d = d or x.shape[-1]
     x2 = x.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     z_heads, z_head_stride = 1, 0
@@ -76,7 +83,7 @@ def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: 
     y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, z2, weight.contiguous(), y, d, x2.stride(0), z2.stride(0), y.stride(0), eps, z_heads, z_head_stride,
+            x2, z2, weight.contiguous(), y, d, x2.stride(0), z2.stride(0), y.stride(0), eps, z_heads, z_head_stride, weight.numel() // d,
             MODE=mode, ACT=act, BLOCK_D=triton.next_power_of_2(d), num_warps=_row_warps(d, GATED_WARPS if mode == 2 else 4), **pdl.launch_kwargs(),
         )
     return y.view(x.shape)
@@ -85,6 +92,12 @@ def _launch(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: 
 def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = norm(x) * (1 + w) in x.dtype; x [..., D], weight [D]."""
     return _launch(x, None, weight, eps, 0, 0, x.dtype)
+
+
+def grouped_zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """y = norm(x) * (1 + w) in x.dtype with one RMS per `group`-wide slice; x [..., G * group], weight [G * group]."""
+    assert x.shape[-1] == weight.numel() and x.shape[-1] % group == 0
+    return _launch(x, None, weight, eps, 0, 0, x.dtype, d=group)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
