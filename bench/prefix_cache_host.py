@@ -5,7 +5,8 @@ pages inserted) and finished, in batches, over a pool too small to keep every pa
 Scenario: --systems system prompts of --shared tokens, each request one of them plus --suffix tokens
 of its own; --running requests at a time, prefilled --chunk tokens per step; 16-token pages. Prints
 one JSON line: the seconds spent in PrefixCache.insert and PrefixCache.reclaim (perf_counter, summed
-over calls), their call counts, and the cache's counters (the same for the same behaviour).
+over calls), their call counts, and the cache's counters and a checksum of the eviction order (the same
+for the same behaviour).
 
     python bench/prefix_cache_host.py [--requests 2000] [--shared 2048] [--blocks 2400]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import zlib
 
 import torch
 
@@ -56,6 +58,9 @@ def main() -> None:
     totals: dict[str, list[float]] = {}
     timed(PrefixCache, "insert", totals)
     timed(PrefixCache, "reclaim", totals)
+    evicted: list[int] = []  # blocks in eviction order
+    remove = PrefixCache._remove
+    PrefixCache._remove = lambda self, node: (evicted.append(node.block), remove(self, node))[1]
 
     pool = KVPool(1, args.blocks, BLOCK_SIZE, 1, 1, torch.float32, "cpu")
     cache = PrefixCache(pool, None, NoSpec(), prefill_align=BLOCK_SIZE, snapshot_budget_bytes=0)
@@ -85,7 +90,7 @@ def main() -> None:
         "wall_s": round(wall, 3),
         "insert_s": round(totals["insert"][0], 3), "insert_calls": totals["insert"][1],
         "reclaim_s": round(totals["reclaim"][0], 3), "reclaim_calls": totals["reclaim"][1],
-        "hits": stats.hits, "cached_tokens": stats.cached_tokens, "evicted_pages": stats.evicted_pages, "pages": cache.num_pages,
+        "eviction_order_crc32": zlib.crc32(str(evicted).encode()), "hits": stats.hits, "cached_tokens": stats.cached_tokens, "evicted_pages": stats.evicted_pages, "pages": cache.num_pages,
     }))
 
 

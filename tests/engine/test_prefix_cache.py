@@ -176,14 +176,16 @@ def test_reclaim_evicts_in_least_recently_used_order_with_parents_entering_at_th
 
     def computed(request_id: int, tokens: list[int], num_tokens: int, labels: list[str]) -> Request:
         request = _request(request_id, tokens)
-        cache.acquire(request)
+        cache.restore(request, cache.acquire(request))
         _computed(pool, cache, request, num_tokens)
         names.update(zip(request.block_table[len(request.block_table) - len(labels):], labels))
         return request
 
     def used(request_id: int, tokens: list[int], num_pages: int) -> Request:
         request = _request(request_id, tokens)
-        assert len(cache.acquire(request)) == num_pages
+        path = cache.acquire(request)
+        assert len(path) == num_pages
+        cache.restore(request, path)
         return request
 
     a = computed(0, list(range(1, 14)), 12, ["a1", "a2", "a3"])
@@ -208,3 +210,31 @@ def test_reclaim_evicts_in_least_recently_used_order_with_parents_entering_at_th
     pool.free(holds_c1.block_table)
     cache.reclaim(1)
     assert names[pool.free_blocks[-1]] == "c1" and cache.num_pages == 0
+
+
+def test_an_admission_that_cannot_fit_evicts_no_cached_page():
+    from freetoken.engine.scheduler import Scheduler
+
+    pool = _pool(10)
+    cache = PrefixCache(pool, None, NoSpec(), prefill_align=64, snapshot_budget_bytes=0)
+    scheduler = Scheduler(pool, None, max_num_seqs=4, max_num_batched_tokens=64, num_draft_tokens=0, prefill_align=BS)
+    scheduler.prefix_cache = cache
+    cached = _request(0, range(100, 109))
+    _computed(pool, cache, cached, 8)
+    pool.free(cached.block_table)  # 2 cached pages no request holds
+    elsewhere: list[int] = []
+    pool.grow(elsewhere, 6 * BS)  # 6 blocks in use: 2 free, 2 reclaimable
+
+    too_long = _request(1, range(200, 230))  # 29 prefill rows + 1 decode row: 8 blocks
+    scheduler.add(too_long)
+    cache.add(too_long)
+    assert scheduler.schedule().prefill == [] and list(scheduler.waiting) == [too_long]
+    assert cache.num_pages == 2 and cache.stats.evicted_pages == 0 and pool.num_free_blocks == 2
+    assert too_long.block_table == [] and too_long.num_cached_tokens == 0
+
+    fits = _request(2, range(300, 314))  # 13 prefill rows + 1 decode row: 4 blocks, 2 of them reclaimed
+    scheduler.waiting.clear()
+    scheduler.add(fits)
+    cache.add(fits)
+    assert [c.request for c in scheduler.schedule().prefill] == [fits]
+    assert cache.num_pages == 0 and cache.stats.evicted_pages == 2 and len(fits.block_table) == 4

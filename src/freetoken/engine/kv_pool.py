@@ -9,7 +9,8 @@ tensor each.
 Blocks are reference-counted: a block of a cached prompt prefix is held by the prefix cache and by
 every request whose table shares it, and goes back to the free list when the last holder lets go.
 When the free list is short, the allocator first asks its `reclaimer` (the prefix cache) to let go
-of blocks nobody else holds.
+of blocks nobody else holds, and only if that makes enough room: a request that will not fit anyway
+costs the cache nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from freetoken.forward_context import KVCache
 
 
 class Reclaimer(Protocol):
-    def reclaim(self, num_blocks: int) -> None:
-        """Release up to num_blocks blocks that only the reclaimer holds (least recently used first)."""
+    def reclaim(self, num_blocks: int) -> bool:
+        """Release num_blocks blocks that only the reclaimer holds (least recently used first) if it has
+        that many to release, else release none -> whether it released them."""
 
 
 class KVPool:
@@ -56,15 +58,14 @@ class KVPool:
         """How many more blocks a table needs to hold num_tokens tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
-    def _make_room(self, num_blocks: int) -> None:
-        if num_blocks > len(self.free_blocks) and self.reclaimer is not None:
-            self.reclaimer.reclaim(num_blocks - len(self.free_blocks))
+    def _make_room(self, num_blocks: int) -> bool:
+        """Whether num_blocks blocks are free, the reclaimer's released first when that makes enough of them."""
+        short = num_blocks - len(self.free_blocks)
+        return short <= 0 or (self.reclaimer is not None and self.reclaimer.reclaim(short))
 
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Whether block_table can grow to num_tokens tokens (reclaiming cached blocks if that is needed)."""
-        needed = self.blocks_needed(block_table, num_tokens)
-        self._make_room(needed)
-        return needed <= len(self.free_blocks)
+        """Whether block_table can grow to num_tokens tokens; reclaims cached blocks only if that makes it fit."""
+        return self._make_room(self.blocks_needed(block_table, num_tokens))
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append blocks to block_table (in place) until it holds num_tokens tokens."""

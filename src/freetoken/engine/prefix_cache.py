@@ -8,7 +8,10 @@ prefill steps and when it finishes, and `acquire`s the longest usable path for a
 admits: the request's block table starts with the path's blocks (shared, read-only: a request
 writes only at positions past its cached ones) and its prefill starts after them. At least one
 prompt row is always left to prefill, so the spec method sees the last prompt row as usual.
-Unreferenced leaves are evicted least recently used first when the KV pool is short (`reclaim`).
+Unreferenced leaves are evicted least recently used first when the KV pool is short (`reclaim`): the
+leaves wait in a heap ordered by last use (leaf_heap.py), so eviction never scans the tree. A node's
+last use is the last lookup or insert whose path went through it. Each request keeps the path it
+acquired and inserted, and its next insert goes on from there instead of looking its pages up again.
 
 Lookahead keys (DESIGN.md invariant 6). When the spec method writes draft rows into the pages
 (MTP: its KV row at position p is a function of token p + 1), a page's key also holds the token
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.leaf_heap import LeafHeap
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.request import Request
 from freetoken.engine.shared_prefixes import SharedPrefixes
@@ -56,6 +60,8 @@ class Node:
     context: Any = None  # the spec method's export for this page (None if it keeps nothing outside the pages)
     snapshot: int | None = None  # SnapshotStore slot of the linear state at num_tokens
     snapshot_chunked: int = 0  # positions below it ran the chunked GDN rule in that state
+    heap_entry: list | None = None  # its current entry in the LeafHeap (None: not placed there)
+    evicted: bool = False
 
 
 @dataclass
@@ -84,6 +90,8 @@ class PrefixCache:
         self.context_bytes = 0  # held by the pages' spec exports
         self.stats = PrefixCacheStats()
         self.clock = 0
+        self.leaves = LeafHeap()
+        self.paths: dict[int, list[Node]] = {}  # request id -> the tree path it acquired and inserted, root first
         kv_pool.reclaimer = self
 
     @property
@@ -101,18 +109,20 @@ class PrefixCache:
         return self.shared.should_wait(request.request_id)
 
     def acquire(self, request: Request) -> list[Node]:
-        """Start a request's block table with its longest usable cached prefix -> the matched path."""
+        """Start a request's block table with its longest usable cached prefix -> the matched path. Its pages
+        are held (not evictable) from now on; they count as used only once the admission completes (`restore`)."""
         path = self.match(request)
         for node in path:
             self.kv_pool.share(node.block)
             request.block_table.append(node.block)
-            self._touch(node)
         request.num_cached_tokens = len(path) * self.block_size
         return path
 
     def restore(self, request: Request, path: list[Node]) -> None:
         """Complete an admission (the request holds its state slot now): restore the state at the end of
         the path and the method's draft context, and plan where the prefill ends a piece for a snapshot."""
+        self._touch(path)
+        self.paths[request.request_id] = path
         self.stats.lookups += 1
         if path:
             self.stats.hits += 1
@@ -141,6 +151,7 @@ class PrefixCache:
     def release(self, request: Request) -> None:
         """The request gave its pages and slot back (preempted or finished): it computes nothing for others now."""
         self.shared.stop_computing(request.request_id)
+        self.paths.pop(request.request_id, None)
 
     # -- the tree --------------------------------------------------------------------------------
     def _cacheable(self, request: Request) -> int:
@@ -173,9 +184,14 @@ class PrefixCache:
     def insert(self, request: Request, num_tokens: int, snapshot: bool) -> None:
         """Cache the full pages of the request's first num_tokens tokens (committed), and with `snapshot`
         the linear state of its slot, which must be at exactly num_tokens tokens."""
-        tokens, node = request.token_ids, self.root
+        tokens = request.token_ids
         num_pages = min(num_tokens, len(tokens) - self.lookahead, self._cacheable(request)) // self.block_size
-        for page in range(num_pages):
+        path = self.paths.get(request.request_id, [])
+        if path and path[-1].evicted:  # a page of it was someone else's, and was evicted: look the pages up again
+            path = []
+        path = path[:num_pages]
+        node = path[-1] if path else self.root
+        for page in range(len(path), num_pages):
             key = self._key(tokens, page)
             child = node.children.get(key)
             if child is None:
@@ -186,8 +202,11 @@ class PrefixCache:
                 child = node.children[key] = Node(key, block, node, stop, context=self.spec.export_context(request, start, stop))
                 self.num_pages += 1
                 self.context_bytes += _nbytes(child.context)
-            self._touch(child)
+            path.append(child)
             node = child
+        self._touch(path)
+        if len(path) >= len(self.paths.get(request.request_id, ())):
+            self.paths[request.request_id] = path
         at_boundary = node is not self.root and node.num_tokens == num_tokens
         if snapshot and self.hybrid and at_boundary and node.snapshot is None:
             node.snapshot = self.snapshots.take(request.state_slot, on_evict=lambda n=node: setattr(n, "snapshot", None))
@@ -205,41 +224,61 @@ class PrefixCache:
         end = end // self.cut_multiple * self.cut_multiple
         return end if end > request.num_cached_tokens else 0
 
-    def _touch(self, node: Node) -> None:
-        self.clock += 1
-        node.last_use = self.clock
-        if node.snapshot is not None:
-            self.snapshots.touch(node.snapshot)
+    def _touch(self, path: list[Node]) -> None:
+        """A lookup or insert went down this path (root first): it is the most recently used, deepest last."""
+        for node in path:
+            self.clock += 1
+            node.last_use = self.clock
+            if node.snapshot is not None:
+                self.snapshots.touch(node.snapshot)
+        if path and not path[-1].children:
+            self.leaves.push(path[-1])
 
-    def reclaim(self, num_blocks: int) -> None:
-        """Evict up to num_blocks pages no request holds, least recently used leaves first."""
-        refs = self.kv_pool.ref_counts
-        heap = [(n.last_use, id(n), n) for n in self._nodes() if not n.children and refs[n.block] == 1]
-        heapq.heapify(heap)
-        for _ in range(num_blocks):
-            if not heap:
-                return
-            _, _, node = heapq.heappop(heap)
+    def reclaim(self, num_blocks: int) -> bool:
+        """Evict num_blocks pages no request holds, least recently used leaves first (a parent joins the
+        leaves when its last child goes), if there are that many; else evict none -> whether it evicted."""
+        refs, root = self.kv_pool.ref_counts, self.root
+        plan: list[Node] = []  # to evict, in order
+        held: list[Node] = []  # leaves passed over: a request holds them
+        uncovered: dict[Node, int] = {}  # parent -> its children not in the plan
+        parents: list[tuple[int, int, Node]] = []  # heap of the parents whose every child is in the plan
+        while len(plan) < num_blocks:
+            oldest = self.leaves.peek_oldest()
+            if parents and (oldest is None or parents[0][0] < oldest.last_use):
+                node = heapq.heappop(parents)[2]
+            elif oldest is not None:
+                node = self.leaves.pop_oldest()
+            else:
+                break
+            if refs[node.block] > 1:
+                held.append(node)
+                continue
+            plan.append(node)
             parent = node.parent
+            if parent is not root:
+                uncovered[parent] = uncovered.get(parent, len(parent.children)) - 1
+                if not uncovered[parent]:
+                    heapq.heappush(parents, (parent.last_use, id(parent), parent))
+        if len(plan) < num_blocks:
+            for node in plan + held:
+                if not node.children:  # it came out of the leaf heap: put it back
+                    self.leaves.push(node)
+            return False
+        for node in plan:
             self._remove(node)
-            if parent is not self.root and not parent.children and refs[parent.block] == 1:
-                heapq.heappush(heap, (parent.last_use, id(parent), parent))
+        for node in held + [parent for _, _, parent in parents]:
+            self.leaves.push(node)  # leaves now, not evicted
+        return True
 
     def _remove(self, node: Node) -> None:
         del node.parent.children[node.key]
+        node.evicted = True
         if node.snapshot is not None:
             self.snapshots.drop(node.snapshot)
         self.kv_pool.release(node.block)
         self.num_pages -= 1
         self.context_bytes -= _nbytes(node.context)
         self.stats.evicted_pages += 1
-
-    def _nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            yield node
 
 
 def _snapshot_fits(node: Node, chunkable_end: int) -> bool:

@@ -16,7 +16,8 @@ With a prefix cache, admission starts a request after its longest usable cached 
 shared, its state restored), ends a prefill piece where the cache plans a state snapshot
 (`Request.prefix_cut`, a multiple of `prefill_align`), and passes over a waiting request while
 another one computes a prefix it shares. The KV pool reclaims cached pages nobody holds before a
-request is ever preempted for lack of blocks.
+request is ever preempted for lack of blocks, and only when the free and the reclaimable blocks
+together are enough: an admission (or a growth) that fails anyway evicts nothing from the cache.
 """
 
 from __future__ import annotations
