@@ -212,6 +212,34 @@ def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out if gate is None else out * activation_ref.sigmoid(gate)
 
 
+def qsa_select(q: torch.Tensor, raw_keys: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, block_cos: torch.Tensor, block_sin: torch.Tensor,
+               batch: SeqBatch, page_size: int, ratio: int, top_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """QSA key-block selection: indexer queries q [N, H, d_i] against the key blocks pooled from the raw
+    indexer keys [num_slots, (1,) d_i] (k_layernorm weight [d_i], cos/sin [S or 1, max_blocks, rotary_dim]
+    at each block's first position) -> (kept block ids [N, top_blocks] int32 ascending, -1 padded;
+    counts [N] int32); see qsa_ref for the tie order."""
+    if use_triton(q):
+        from freetoken.kernels import qsa_select_triton
+
+        return qsa_select_triton.qsa_select(q, raw_keys, k_norm_weight, eps, block_cos, block_sin, batch, page_size, ratio, top_blocks)
+    from freetoken.kernels import qsa_ref
+
+    return qsa_ref.qsa_select(q, raw_keys, k_norm_weight, eps, block_cos, block_sin, batch, page_size, ratio, top_blocks)
+
+
+def qsa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor, batch: SeqBatch,
+                  page_size: int, ratio: int, scale: float) -> torch.Tensor:
+    """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row over the tokens of its kept key
+    blocks (qsa_select's block_ids [N, top_blocks], counts [N]) and its tail -> [N, Hq, D]."""
+    if use_triton(q):
+        from freetoken.kernels import qsa_attention_triton
+
+        return qsa_attention_triton.qsa_attention(q, k_cache, v_cache, block_ids, counts, batch, page_size, ratio, scale)
+    from freetoken.kernels import qsa_ref
+
+    return qsa_ref.qsa_attention(q, k_cache, v_cache, block_ids, counts, batch, page_size, ratio, scale)
+
+
 def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, batch: SeqBatch, write_state: bool = True) -> torch.Tensor:
     """silu(causal conv) of rows [N, C] with the window pool [slots, K-1, C]; windows advance if write_state."""
     if use_triton(rows):
@@ -362,6 +390,8 @@ __all__ = [
     "norm_rope_store",
     "paged_attention_batched",
     "ple_gated_value",
+    "qsa_attention",
+    "qsa_select",
     "rms_norm",
     "seq_batch",
     "store_kv",

@@ -1,0 +1,140 @@
+"""QSA (Qwen Sparse Attention) key selection and sparse paged attention (reference).
+
+architectures.md §4.4. A query row that sees n keys of its sequence splits them into floor(n / c)
+complete *key blocks* of c = ratio tokens (block b holds positions b*c .. b*c + c - 1) and a tail
+of n mod c tokens. Each block is pooled from the indexer's raw keys (cached per token slot,
+un-normed and un-roped):
+
+    K_b = rope(k_norm(mean of its c raw keys in fp32, in index order, cast to the cache dtype),
+               at the block's first position)
+
+and scored sum_heads relu(q_h . K_b) / sqrt(d_i) in fp32. The row keeps `top_blocks` blocks
+(budget / c) or all of them while there are no more; the tail is always attended.
+
+Selection order: the score's fp32 bits, -0.0 taken as +0.0, as an int32 key (scores are >= +0, so
+the key orders like the score). The kept blocks are those whose key is above the top_blocks-th
+largest key, then the blocks whose key equals it, lowest block index first. `score_keys` gives the
+key; the Triton selection (qsa_select_triton.py) keeps the same blocks.
+
+Layouts shared with the kernels:
+- block ids [N, top_blocks] int32: each row's kept blocks ascending, padded with -1; counts [N] int32.
+- block_cos / block_sin [S or 1, max_blocks, rotary_dim]: cos/sin (cache dtype) of block b's first
+  position for sequence s (one row for all sequences when positions are plain token indices).
+- raw keys [num_slots, d_i] (or [num_slots, 1, d_i]): the paged extra KV rows, slot = page * page
+  size + offset through the sequence's block table.
+
+Each row is computed alone (its scores, top-k and softmax have shapes set by its own context), so
+it gets the same bits whichever rows share the call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from freetoken.kernels import norm_ref
+from freetoken.kernels.attention_ref import token_slots
+from freetoken.kernels.batched import SeqBatch
+
+
+def score_keys(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 scores (>= +0 or -0) -> int32 keys that order like them, -0.0 mapped to +0.0's key 0."""
+    keys = scores.float().contiguous().view(torch.int32)
+    return torch.where(keys == torch.iinfo(torch.int32).min, torch.zeros_like(keys), keys)
+
+
+def top_blocks_of(keys: torch.Tensor, keep: int) -> torch.Tensor:
+    """keys [B] -> the `keep` kept block ids ascending (module docstring: larger key first, on equal
+    keys the lower block index)."""
+    order = torch.sort(keys, descending=True, stable=True).indices
+    return order[:keep].sort().values
+
+
+def pooled_blocks(raw_keys: torch.Tensor, slots: torch.Tensor, num_blocks: int, ratio: int, k_norm_weight: torch.Tensor, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """K_b [num_blocks, d_i] in the cache dtype of a sequence whose token slots are `slots`; cos/sin
+    [>= num_blocks, rotary_dim] at the blocks' first positions."""
+    d = raw_keys.shape[-1]
+    keys = raw_keys.reshape(-1, d)[slots[: num_blocks * ratio]].view(num_blocks, ratio, d).float()
+    acc = keys[:, 0]
+    for j in range(1, ratio):
+        acc = acc + keys[:, j]
+    pooled = (acc / ratio).to(raw_keys.dtype)
+    normed = norm_ref.zc_rms_norm(pooled, k_norm_weight, eps)
+    rot = cos.shape[-1]
+    cos, sin = cos[:num_blocks], sin[:num_blocks]
+    x_rot, x_pass = normed[:, :rot], normed[:, rot:]
+    rotated = torch.cat([-x_rot[:, rot // 2 :], x_rot[:, : rot // 2]], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+def qsa_select(
+    q: torch.Tensor,  # [N, H, d_i] the indexer's normed, rotated query heads
+    raw_keys: torch.Tensor,  # [num_slots, d_i] or [num_slots, 1, d_i]
+    k_norm_weight: torch.Tensor,  # [d_i] the zero-centred k_layernorm weight
+    eps: float,
+    block_cos: torch.Tensor,  # [S or 1, max_blocks, rotary_dim]
+    block_sin: torch.Tensor,  # [S or 1, max_blocks, rotary_dim]
+    batch: SeqBatch,
+    page_size: int,
+    ratio: int,
+    top_blocks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's kept key blocks -> (block ids [N, top_blocks] int32 ascending, -1 padded; counts [N] int32)."""
+    n, _, d = q.shape
+    ids = torch.full((n, top_blocks), -1, dtype=torch.int32, device=q.device)
+    counts = torch.zeros(n, dtype=torch.int32, device=q.device)
+    for i in range(batch.num_seqs):
+        cached, rows = batch.num_cached[i], batch.num_rows[i]
+        blocks = None  # pooled once per sequence, for the rows that need them
+        for j in range(rows):
+            row, complete = batch.row_starts[i] + j, (cached + j + 1) // ratio
+            keep = min(top_blocks, complete)
+            counts[row] = keep
+            if keep == complete:
+                ids[row, :keep] = torch.arange(keep, dtype=torch.int32, device=q.device)
+                continue
+            if blocks is None:
+                slots = token_slots(batch.block_tables[i], cached + rows, page_size)
+                s = i if block_cos.shape[0] > 1 else 0
+                blocks = pooled_blocks(raw_keys, slots, (cached + rows) // ratio, ratio, k_norm_weight, eps, block_cos[s], block_sin[s]).float()
+            scores = torch.relu(torch.matmul(q[row].float(), blocks[:complete].T))  # [H, complete]
+            ids[row] = top_blocks_of(score_keys(scores.sum(0) / math.sqrt(d)), keep).to(torch.int32)
+    return ids, counts
+
+
+def selected_positions(block_ids: torch.Tensor, count: int, context_len: int, ratio: int) -> torch.Tensor:
+    """One row's attended positions [L] int64 ascending: its kept blocks' tokens, then the tail."""
+    offsets = torch.arange(ratio, device=block_ids.device)
+    tokens = (block_ids[:count].long()[:, None] * ratio + offsets).flatten()
+    return torch.cat([tokens, torch.arange((context_len // ratio) * ratio, context_len, device=block_ids.device)])
+
+
+def qsa_attention(
+    q: torch.Tensor,  # [N, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    block_ids: torch.Tensor,  # [N, top_blocks] int32 (qsa_select's)
+    counts: torch.Tensor,  # [N] int32
+    batch: SeqBatch,
+    page_size: int,
+    ratio: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each row's softmax attention (fp32) over its selected positions of its sequence's paged caches
+    -> [N, Hq, D] in q.dtype."""
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.empty_like(q)
+    counts = counts.tolist()
+    for i in range(batch.num_seqs):
+        cached, rows = batch.num_cached[i], batch.num_rows[i]
+        slots = token_slots(batch.block_tables[i], cached + rows, page_size)
+        for j in range(rows):
+            row = batch.row_starts[i] + j
+            keys_at = slots[selected_positions(block_ids[row], counts[row], cached + j + 1, ratio)]
+            keys = k_cache[keys_at].float().repeat_interleave(group, dim=1).transpose(0, 1).contiguous()  # [Hq, L, D]
+            values = v_cache[keys_at].float().repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
+            probs = torch.softmax(torch.matmul(keys, q[row].float()[:, :, None]).squeeze(-1) * scale, dim=-1)  # [Hq, L]
+            out[row] = torch.matmul(probs[:, None, :], values).squeeze(1).to(q.dtype)
+    return out

@@ -1,0 +1,154 @@
+"""QSA's Triton selection and sparse attention vs the torch reference (kernels/qsa_ref.py): equal
+selections, attention within fp32 rounding, the documented tie order on a hand case, and each row
+alone (a decode step) equal, bit for bit, to the same row in a batch (a verify block, a prefill chunk,
+next to other sequences); through the model's Indexer too (Triton path = torch path)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from tests.kernels.conftest import DEVICES  # noqa: E402
+
+from freetoken.kernels import qsa_attention_triton, qsa_ref, qsa_select_triton  # noqa: E402
+from freetoken.kernels.batched import SeqBatch  # noqa: E402
+
+PAGE = 4  # KV page size in tokens
+RATIO = 4  # tokens per key block
+
+
+def case(device):
+    """Per sequence (rows, cached tokens): a prefill that turns sparse at its 12th row, a decode row, a
+    verify block of 4 rows, a chunk after a cached prefix; dims (indexer heads, d_i, rotary dim, q
+    heads, KV heads, head dim, kept blocks)."""
+    if device == "cpu":
+        return [14, 1, 4, 5], [0, 30, 23, 17], (2, 32, 16, 4, 2, 32, 2)
+    return [300, 1, 4, 4], [0, 3000, 2047, 517], (4, 128, 64, 24, 2, 256, 64)
+
+
+def setup(device, dtype, num_rows, num_cached, dims, seed=0):
+    """Random raw indexer keys, K/V caches, queries and cos/sin tables over shuffled page tables."""
+    heads, d, rot, hq, hkv, hd, _ = dims
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-(c + n) // PAGE) for c, n in zip(num_cached, num_rows)]
+    perm = torch.randperm(sum(pages) + 3, generator=gen)
+    tables, used = [], 0
+    for p in pages:
+        tables.append(perm[used : used + p].to(torch.int32).to(device))
+        used += p
+    num_slots = (sum(pages) + 3) * PAGE
+    n = sum(num_rows)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(device)
+
+    starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+    batch = SeqBatch(tuple(starts), tuple(num_rows), tuple(num_cached), (-1,) * len(num_rows), tuple(tables), torch.device(device))
+    max_blocks = batch.block_table.shape[1] * PAGE // RATIO
+    angles = torch.arange(max_blocks)[:, None] * RATIO * (1e4 ** -(torch.arange(rot // 2) / (rot // 2)))[None, :]
+    angles = torch.cat([angles, angles], -1)[None]
+    return dict(q=rand(n, heads, d), raw_keys=rand(num_slots, 1, d), k_norm_weight=rand(d, scale=0.1), eps=1e-6,
+                block_cos=angles.cos().to(dtype).to(device), block_sin=angles.sin().to(dtype).to(device), batch=batch,
+                page_size=PAGE, ratio=RATIO, top_blocks=dims[-1]), (rand(n, hq, hd), rand(num_slots, hkv, hd), rand(num_slots, hkv, hd))
+
+
+def attention(impl, qkv, ids, counts, batch):
+    q, k_cache, v_cache = qkv
+    return impl.qsa_attention(q, k_cache, v_cache, ids, counts, batch, PAGE, RATIO, q.shape[-1] ** -0.5)
+
+
+def alone(args, row, seq, j):
+    """The select arguments of one row as a decode step of its own sequence."""
+    b = args["batch"]
+    one = SeqBatch((0,), (1,), (b.num_cached[seq] + j,), (-1,), (b.block_tables[seq],), b.device)
+    return dict(args, q=args["q"][row : row + 1], batch=one)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selection_and_attention_match_reference(device, dtype):
+    num_rows, num_cached, dims = case(device)
+    args, qkv = setup(device, dtype, num_rows, num_cached, dims)
+    ids, counts = qsa_select_triton.qsa_select(**args)
+    want_ids, want_counts = qsa_ref.qsa_select(**args)
+    assert torch.equal(counts, want_counts) and torch.equal(ids, want_ids)
+    assert (counts < torch.tensor([c // RATIO for c in args["batch"].context_lens.tolist()], device=device)).any(), "some rows select"
+    got = attention(qsa_attention_triton, qkv, ids, counts, args["batch"])
+    want = attention(qsa_ref, qkv, ids, counts, args["batch"])
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_alone_equal_rows_in_batch(device, dtype):
+    num_rows, num_cached, dims = case(device)
+    args, qkv = setup(device, dtype, num_rows, num_cached, dims, seed=1)
+    batch = args["batch"]
+    ids, counts = qsa_select_triton.qsa_select(**args)
+    full = attention(qsa_attention_triton, qkv, ids, counts, batch)
+    for seq in range(batch.num_seqs):
+        for j in sorted({0, batch.num_rows[seq] - 1} if device == "cpu" else range(batch.num_rows[seq])):
+            row = batch.row_starts[seq] + j
+            one = alone(args, row, seq, j)
+            one_ids, one_counts = qsa_select_triton.qsa_select(**one)
+            assert torch.equal(one_ids[0], ids[row]) and torch.equal(one_counts[0], counts[row]), (seq, j)
+            out = attention(qsa_attention_triton, (qkv[0][row : row + 1], *qkv[1:]), one_ids, one_counts, one["batch"])
+            assert torch.equal(out[0], full[row]), (seq, j)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launches_split_by_whole_row_groups(device, monkeypatch):
+    # A workspace below one row's keys: a launch per row group, the same selection.
+    num_rows, num_cached, dims = case(device)
+    args, _ = setup(device, torch.bfloat16, num_rows, num_cached, dims, seed=2)
+    whole = qsa_select_triton.qsa_select(**args)
+    monkeypatch.setattr(qsa_select_triton, "WORKSPACE_BYTES", 1)
+    split = qsa_select_triton.qsa_select(**args)
+    assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_equal_scores_keep_the_lowest_blocks(device):
+    """Blocks of three kinds, every raw key of a block the same integer vector (so its mean is exact)
+    and no rotation: the kinds score high > mid > low = 0 for a one-hot query, and blocks of one kind
+    score exactly alike. Two blocks are kept: the lowest-index high ones, or the high one and the
+    lowest-index mid one; a zero query scores every block 0 and keeps blocks 0 and 1."""
+    d = 16
+    kinds = {"high": [4.0] + [1.0] * (d - 1), "mid": [2.0] + [1.0] * (d - 1), "low": [-1.0] + [1.0] * (d - 1)}
+    layouts = [["mid", "high", "low", "high", "mid", "high"], ["mid", "low", "mid", "high", "mid", "low"], ["mid", "high", "low", "high", "mid", "high"]]
+    raw_keys = torch.zeros(len(layouts) * 7 * PAGE, 1, d, device=device)
+    tables = []
+    for i, layout in enumerate(layouts):
+        first = i * 7 * PAGE  # seven pages per sequence
+        for b, kind in enumerate(layout):
+            raw_keys[first + b * RATIO : first + (b + 1) * RATIO, 0] = torch.tensor(kinds[kind], device=device)
+        raw_keys[first + 24] = 3.0  # the tail token of the longest row (unused by the scores)
+        tables.append(torch.arange(first // PAGE, first // PAGE + 7, dtype=torch.int32, device=device))
+    q = torch.zeros(3, 1, d, device=device)
+    q[:2, 0, 0] = 1.0
+    batch = SeqBatch((0, 1, 2), (1, 1, 1), (24, 23, 23), (-1,) * 3, tuple(tables), torch.device(device))
+    no_rotation = torch.ones(1, 7, 8, device=device), torch.zeros(1, 7, 8, device=device)
+    args = dict(q=q, raw_keys=raw_keys, k_norm_weight=torch.zeros(d, device=device), eps=1e-6, block_cos=no_rotation[0], block_sin=no_rotation[1],
+                batch=batch, page_size=PAGE, ratio=RATIO, top_blocks=2)
+    for impl in (qsa_ref, qsa_select_triton):
+        ids, counts = impl.qsa_select(**args)
+        assert ids.tolist() == [[1, 3], [0, 3], [0, 1]] and counts.tolist() == [2, 2, 2], impl.__name__
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_hand_case(device):
+    """One query over kept block 1 (keys at positions 4..7, score 0) and the tail position 8 (score
+    log 4): weights 1/8 each and 1/2 over values 4 and 8 -> 6. Blocks 0 and the rest are not attended."""
+    k_cache = torch.zeros(12, 1, 16, device=device)
+    v_cache = torch.full((12, 1, 16), 100.0, device=device)
+    v_cache[4:8] = 4.0
+    k_cache[8, 0, 0] = torch.log(torch.tensor(4.0))
+    v_cache[8] = 8.0
+    q = torch.zeros(1, 1, 16, device=device)
+    q[0, 0, 0] = 1.0
+    batch = SeqBatch((0,), (1,), (8,), (-1,), (torch.arange(3, dtype=torch.int32, device=device),), torch.device(device))
+    ids, counts = torch.tensor([[1, -1]], dtype=torch.int32, device=device), torch.tensor([1], dtype=torch.int32, device=device)
+    for impl in (qsa_ref, qsa_attention_triton):
+        out = impl.qsa_attention(q, k_cache, v_cache, ids, counts, batch, PAGE, RATIO, 1.0)
+        torch.testing.assert_close(out, torch.full((1, 1, 16), 6.0, device=device), rtol=1e-5, atol=1e-5)
