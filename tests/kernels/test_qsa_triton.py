@@ -152,3 +152,22 @@ def test_attention_hand_case(device):
     for impl in (qsa_ref, qsa_attention_triton):
         out = impl.qsa_attention(q, k_cache, v_cache, ids, counts, batch, PAGE, RATIO, 1.0)
         torch.testing.assert_close(out, torch.full((1, 1, 16), 6.0, device=device), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_model_indexer_triton_path_equals_torch_path(device, dtype, monkeypatch):
+    """The qwen4_exp Indexer (its projections, norms, per-forward block cos/sin with an image prompt's
+    mRoPE positions, kernels.qsa_select) keeps the same key positions on both paths."""
+    from freetoken import kernels
+    from tests.models.test_qwen4_exp_qsa import indexer_case
+
+    indexer, x, ctx, cos, sin = indexer_case(dtype, device)
+    selections = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setattr(kernels, "MODE", mode)
+        ctx.__dict__.pop("_qsa_block_rope", None)
+        selections[mode] = indexer(x, ctx, cos, sin)
+    assert torch.equal(selections["triton"].counts, selections["torch"].counts)
+    assert torch.equal(selections["triton"].block_ids, selections["torch"].block_ids)

@@ -120,3 +120,44 @@ def test_products_rounded_before_a_sum_stay_unfused_in_the_sm90_build(counts, ke
     the rows down weighted (`WEIGHTED_BY_ID`) and the combines that weight them themselves differ.
     compat_triton.mul_rn keeps such products alone."""
     assert counts["bf16_fma"][kernel] == 0, f"{kernel}: {counts['bf16_fma'][kernel]} fma.rn.bf16"
+
+
+_QSA_BUILD = """
+import json, sys
+from freetoken.kernels import qsa_attention_triton as qa, qsa_select_triton as qs
+from tests.kernels import sm90_build
+
+def ptx(kernel, pointers, ints, floats, constants, options, unspecialised=()):
+    signature = dict(pointers) | {name: "i32" for name in ints} | {name: "fp32" for name in floats} | {name: "constexpr" for name in constants}
+    divisible = tuple(n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in unspecialised)
+    return sm90_build.ptx(kernel, signature, constants, options, divisible)
+
+# QSA (qwen4_exp's real shapes: 4 indexer heads of 128, rotary 64, blocks of 4, budget 2048; 12 query heads per KV head of 256)
+built = {}
+built["qsa_score"] = ptx(qs._score_kernel, {"q_ptr": "*bf16", "raw_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "key_ptr": "*i32",
+                                            "group_ptr": "*i32", "row_seq_ptr": "*i32", "ctx_len_ptr": "*i32", "table_ptr": "*i32"},
+                         ("H", "D", "page_size", "top_blocks", "max_blocks", "row0", "q_row", "q_head", "raw_slot", "rope_seq", "rope_block", "table_row"),
+                         ("eps", "sqrt_d"),
+                         dict(RATIO=4, ROT=64, R=4, H_PAD=4, D_PAD=128, BLOCK_B=qs.BLOCK_B, DOT_F32=False), {"num_warps": qs.NUM_WARPS},
+                         unspecialised=("H", "row0", "rope_seq", "top_blocks", "max_blocks"))
+built["qsa_select"] = ptx(qs._select_kernel, {"key_ptr": "*i32", "ids_ptr": "*i32", "count_ptr": "*i32", "ctx_len_ptr": "*i32"},
+                          ("top_blocks", "max_blocks", "row0", "ids_row"), (),
+                          dict(RATIO=4, TOP_PAD=512, CHUNK=qs.SELECT_CHUNK), {"num_warps": qs.NUM_WARPS}, unspecialised=("row0",))
+ints = ("ids_ptr", "count_ptr", "row_seq_ptr", "ctx_len_ptr", "table_ptr")
+built["qsa_attention"] = ptx(qa._attention_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")} | {n: "*i32" for n in ints},
+                             ("G", "D", "page_size", "q_row", "q_head", "kv_slot", "kv_head", "o_row", "o_head", "ids_row", "table_row"), ("scale",),
+                             dict(RATIO=4, G_PAD=16, D_PAD=256, KEYS=qa.KEYS), {"num_warps": qa.NUM_WARPS}, unspecialised=("G",))
+json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16"), "div_rn": p.count("div.rn.f32")} for name, p in built.items()}, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def qsa_ptx():
+    return json.loads(sm90_build.run(_QSA_BUILD))
+
+
+def test_qsa_kernels_build_for_sm90(qsa_ptx):
+    """The QSA score, select and attention kernels compile for the H200; the pooled keys' rotation
+    products stay rounded alone (no fma.rn.bf16) and their mean and the score scale are IEEE divisions."""
+    assert set(qsa_ptx) == {"qsa_score", "qsa_select", "qsa_attention"} and all(p["ptx_chars"] > 0 for p in qsa_ptx.values())
+    assert qsa_ptx["qsa_score"]["bf16_fma"] == 0 and qsa_ptx["qsa_score"]["div_rn"] > 0

@@ -36,7 +36,7 @@ def test_mtp_matches_explicit_reference(model):
     inputs, selected = [], []
     hooks = [
         mtp.layers[0].register_forward_pre_hook(lambda _m, args: inputs.append(args[0])),
-        mtp.layers[0].self_attn.indexer.register_forward_hook(lambda _m, _a, out: selected.extend(out)),
+        mtp.layers[0].self_attn.indexer.register_forward_hook(lambda _m, _a, out: selected.extend(out.positions())),
     ]
     try:
         for i in range(num_sequences(ref)):

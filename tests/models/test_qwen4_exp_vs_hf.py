@@ -74,7 +74,7 @@ def record_selections(model) -> tuple[dict[int, list[torch.Tensor]], list]:
     for i, layer in enumerate(model.model.layers):
         if hasattr(layer, "self_attn"):
             seen[i] = []
-            hooks.append(layer.self_attn.indexer.register_forward_hook(lambda _m, _a, out, i=i: seen[i].extend(out)))
+            hooks.append(layer.self_attn.indexer.register_forward_hook(lambda _m, _a, out, i=i: seen[i].extend(out.positions())))
     return seen, hooks
 
 

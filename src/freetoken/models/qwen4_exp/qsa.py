@@ -2,7 +2,7 @@
 
 Per token the indexer projects n_i query heads and one raw key (width d_i). The raw key is cached
 un-normed and un-roped, per token, in the KV pool's extra rows of this layer (same slots as K/V).
-A query at position p sees n = p + 1 keys; they form floor(n / c) complete blocks of c tokens
+A query at position p sees n = p + 1 keys; they form floor(n / c) complete key blocks of c tokens
 (c = compress_ratio) and a tail of n mod c tokens. Each block is pooled
 
     K_b = rope(k_layernorm(mean of its raw keys, in fp32), at the block's first position)
@@ -13,31 +13,73 @@ and scored sum_heads relu(q_h . K_b) / sqrt(d_i); the top min(budget / c, floor(
 the tail are the keys the query attends to (all of them while n <= budget + c - 1). The attention
 is the gated attention of layers/attention.py with that key set instead of the causal prefix.
 
-Every query row is computed alone (its scores, top-k and softmax have shapes set by its position
-only), so a row gets the same bits in a prefill chunk, a decode step or a verify block. Torch only:
-the model runs its reference path.
+Selection and attention are `kernels.qsa_select` / `kernels.qsa_attention` (Triton, or the torch
+reference kernels/qsa_ref.py, which also states the tie order). Both take the step's batch layout
+and compute every row alone, so a row gets the same bits in a prefill chunk, a decode step or a
+verify block. The cos/sin of every block's first position are built once per forward (`block_rope`).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from freetoken import kernels
-from freetoken.forward_context import ForwardContext, SeqRows
-from freetoken.kernels.attention_ref import store_kv, token_slots
+from freetoken.forward_context import ForwardContext
+from freetoken.kernels.attention_ref import store_kv
+from freetoken.kernels.qsa_ref import selected_positions
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
 from freetoken.models.qwen4_exp import ops
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
-from freetoken.models.qwen4_exp.ops import mean_over
 from freetoken.models.qwen4_exp.rope import Rotary
 
 
+@dataclass(frozen=True)
+class Selection:
+    """The indexer's choice for a step's rows: kept key blocks per row and the blocks' size."""
+
+    block_ids: torch.Tensor  # [N, budget / c] int32, ascending, -1 padded
+    counts: torch.Tensor  # [N] int32
+    context_lens: torch.Tensor  # [N] keys each row sees, itself included
+    ratio: int
+
+    def positions(self) -> list[torch.Tensor]:
+        """Per row the attended key positions [L] int64, ascending (host loop: for tests and inspection)."""
+        counts, lens = self.counts.tolist(), self.context_lens.tolist()
+        return [selected_positions(self.block_ids[r], counts[r], lens[r], self.ratio) for r in range(len(counts))]
+
+
+def block_rope(ctx: ForwardContext, rotary: Rotary, ratio: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S or 1, max_blocks, rotary_dim] in dtype at the first position of every key block the
+    step's block tables can hold (one row for all sequences of a text-only step; per sequence, from its
+    mRoPE positions, when an image prompt is among them). Built once per forward and kept on ctx."""
+    batch = kernels.seq_batch(ctx)
+    key = (id(rotary), ratio, dtype)
+    cached = ctx.__dict__.setdefault("_qsa_block_rope", {})
+    if key in cached and cached[key][0] is ctx.seqs:
+        return cached[key][1]
+    max_blocks = batch.block_table.shape[1] * ctx.kv.block_size // ratio
+    starts = torch.arange(max_blocks, device=batch.device) * ratio
+    if all(seq.token_positions is None for seq in ctx.seqs):
+        cos, sin = rotary.cos_sin(starts, dtype)
+        tables = (cos[None], sin[None])
+    else:
+        positions = starts.expand(len(ctx.seqs), 3, max_blocks).clone()  # [S, 3, max_blocks]
+        for i, seq in enumerate(ctx.seqs):
+            blocks = (seq.num_cached_tokens + seq.num_rows) // ratio
+            if seq.token_positions is not None and blocks:
+                positions[i, :, :blocks] = seq.token_positions(0, blocks * ratio)[:, ::ratio].to(batch.device)
+        cos, sin = rotary.cos_sin(positions.transpose(0, 1).reshape(3, -1), dtype)
+        tables = (cos.view(len(ctx.seqs), max_blocks, -1), sin.view(len(ctx.seqs), max_blocks, -1))
+    cached[key] = (ctx.seqs, tables)
+    return tables
+
+
 class Indexer(nn.Module):
-    """Selects each query row's keys -> per row, the positions it attends to (ascending)."""
+    """Selects each query row's key blocks (a `Selection`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig, cache_index: int, rotary: Rotary):
         super().__init__()
@@ -49,20 +91,9 @@ class Indexer(nn.Module):
         self.cache_index = cache_index  # which of the KV pool's extra row tensors holds this layer's raw keys
         self.rotary = rotary
 
-    def _pooled_blocks(self, raw: torch.Tensor, slots: torch.Tensor, num_blocks: int, seq: SeqRows) -> torch.Tensor:
-        """The first num_blocks complete blocks of a sequence's raw keys (at slots) -> K_b [num_blocks, d_i],
-        each rotated at the position of its first token (an image prompt's mRoPE position there)."""
-        keys = raw[slots[: num_blocks * self.ratio], 0].view(num_blocks, self.ratio, self.head_dim)
-        pooled = mean_over(keys.float(), dim=1).to(raw.dtype)
-        starts = torch.arange(num_blocks, device=raw.device) * self.ratio
-        if seq.token_positions is not None:
-            starts = seq.token_positions(0, num_blocks * self.ratio)[:, :: self.ratio].to(raw.device)  # [3, num_blocks]
-        cos, sin = self.rotary.cos_sin(starts, raw.dtype)
-        return self.rotary.apply(self.k_layernorm(pooled)[:, None, :], cos, sin)[:, 0]
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
-        """x [N, H] (the block input), cos/sin [N, rotary_dim] of the rows' positions -> per row the
-        selected key positions [L] int64 (ascending); stores the rows' raw keys first."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor) -> Selection:
+        """x [N, H] (the block input), cos/sin [N, rotary_dim] of the rows' positions -> the rows' kept
+        key blocks; stores the rows' raw keys first."""
         n = x.shape[0]
         qk = self.index_qk_proj(x)
         q = qk[:, : self.num_heads * self.head_dim].reshape(n, self.num_heads, self.head_dim)
@@ -70,44 +101,10 @@ class Indexer(nn.Module):
         raw = ctx.kv.extra[self.cache_index]  # [num_slots, 1, d_i]
         raw[ctx.slot_mapping] = qk[:, None, self.num_heads * self.head_dim :].to(raw.dtype)
         batch = kernels.seq_batch(ctx)
-        selected: list[torch.Tensor] = []
-        for i in range(batch.num_seqs):
-            cached, rows = batch.num_cached[i], batch.num_rows[i]
-            slots = token_slots(batch.block_tables[i], cached + rows, ctx.kv.block_size)
-            blocks = None  # pooled once per sequence and step, for the rows that need them
-            for j in range(rows):
-                visible = cached + j + 1
-                complete = visible // self.ratio
-                keep = min(self.max_blocks, complete)
-                if keep == complete:
-                    selected.append(torch.arange(visible, device=x.device))
-                    continue
-                if blocks is None:
-                    blocks = self._pooled_blocks(raw, slots, (cached + rows) // self.ratio, ctx.seqs[i]).float()
-                scores = torch.relu(torch.matmul(q[batch.row_starts[i] + j].float(), blocks[:complete].T))  # [heads, blocks]
-                top = (scores.sum(0) / math.sqrt(self.head_dim)).topk(keep).indices.sort().values
-                tokens = (top[:, None] * self.ratio + torch.arange(self.ratio, device=x.device)).flatten()
-                selected.append(torch.cat([tokens, torch.arange(complete * self.ratio, visible, device=x.device)]))
-        return selected
-
-
-def selected_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext, selected: list[torch.Tensor] | None, scale: float) -> torch.Tensor:
-    """q [N, Hq, D]: each row's softmax attention over its selected positions (None: its causal prefix)
-    of its sequence's paged caches [num_slots, Hkv, D] -> [N, Hq, D] in q.dtype."""
-    batch = kernels.seq_batch(ctx)
-    group = q.shape[1] // k_cache.shape[1]
-    out = torch.empty_like(q)
-    for i in range(batch.num_seqs):
-        cached, rows = batch.num_cached[i], batch.num_rows[i]
-        slots = token_slots(batch.block_tables[i], cached + rows, ctx.kv.block_size)
-        for j in range(rows):
-            row = batch.row_starts[i] + j
-            keys_at = slots[: cached + j + 1] if selected is None else slots[selected[row]]
-            keys = k_cache[keys_at].float().repeat_interleave(group, dim=1).transpose(0, 1).contiguous()  # [Hq, L, D]
-            values = v_cache[keys_at].float().repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
-            probs = torch.softmax(torch.matmul(keys, q[row].float()[:, :, None]).squeeze(-1) * scale, dim=-1)  # [Hq, L]
-            out[row] = torch.matmul(probs[:, None, :], values).squeeze(1).to(q.dtype)
-    return out
+        block_cos, block_sin = block_rope(ctx, self.rotary, self.ratio, raw.dtype)
+        ids, counts = kernels.qsa_select(q, raw, self.k_layernorm.weight, self.k_layernorm.eps, block_cos, block_sin, batch,
+                                         ctx.kv.block_size, self.ratio, self.max_blocks)
+        return Selection(ids, counts, batch.context_lens, self.ratio)
 
 
 class QSAAttention(GatedAttention):
@@ -124,7 +121,7 @@ class QSAAttention(GatedAttention):
             self.indexer = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, defer_sum: bool = False) -> torch.Tensor:  # [N, H] -> [N, H]
-        """The attention output of the block input x (defer_sum is accepted and ignored: torch path)."""
+        """The attention output of the block input x (defer_sum is accepted and ignored)."""
         n = x.shape[0]
         q_gate, k, v = self._project(x)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
@@ -133,7 +130,11 @@ class QSAAttention(GatedAttention):
         k = self.rotary.apply(self.k_norm(k), cos, sin)
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
         store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        selected = self.indexer(x, ctx, cos, sin) if self.indexer is not None else None
-        out = selected_attention(q, k_cache, v_cache, ctx, selected, self.scale)
+        batch = kernels.seq_batch(ctx)
+        if self.indexer is None:
+            out = kernels.paged_attention_batched(q, k_cache, v_cache, batch, ctx.kv.block_size, self.scale)
+        else:
+            chosen = self.indexer(x, ctx, cos, sin)
+            out = kernels.qsa_attention(q, k_cache, v_cache, chosen.block_ids, chosen.counts, batch, ctx.kv.block_size, chosen.ratio, self.scale)
         out = out * ops.sigmoid(gate.reshape(n, -1)).view_as(gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
