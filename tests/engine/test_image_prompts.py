@@ -2,8 +2,8 @@
 
 Oracles: transformers' `*ForConditionalGeneration` with `pixel_values`, `image_grid_thw` and
 `mm_token_type_ids` (whole-prompt logits, fp32; greedy `generate`); the same engine without
-speculative decoding (greedy, token for token, fp32 and bf16), without chunked prefill, and without
-the prefix cache.
+speculative decoding (greedy, token for token, fp32 and bf16) and without chunked prefill. The prefix
+cache on image prompts: test_prefix_cache_images.py.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _prompt_logits(llm, ids: list[int], images):  # -> (logits [T, V], the forwa
     from freetoken.forward_context import ForwardMode
 
     engine = llm.make_engine(with_images=True)
-    engine._encode_images(type("R", (), {"images": images})())
+    engine._encode_images(images, 0)
     table: list[int] = []
     engine.kv_pool.grow(table, len(ids))
     group = RowGroup(table, engine.state_pool.allocate(), 0, ids, images=images)
@@ -122,21 +122,6 @@ def test_chunked_prefill_across_an_image_equals_unchunked(vl_checkpoints):  # no
     assert pads[0][0] < 32 < pads[0][1]  # a 32-token chunk ends inside the first image
     chunked = EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32, prefill_align=16)
     assert _generate(llm, PROMPTS, 8, chunked) == _generate(llm, PROMPTS, 8)
-
-
-def test_prefix_cache_never_shares_past_an_image(vl_checkpoints):  # noqa: F811
-    unified = str(vl_checkpoints["qwen35_dense"][1])
-    llm = _llm(unified)
-    prompts = [(LONG_TEXT + "<image>", ["a"]), (LONG_TEXT + "<image>", ["b"]), (LONG_TEXT + "<image>", ["a"])]
-    first_pad = llm.encode_with_images(prompts[0][0], [IMAGES["a"]])[1].first_pad
-    assert first_pad > 64  # a shareable prefill piece before the image
-    want = [_generate(llm, [p], 8)[0] for p in prompts]
-    on = EngineConfig(max_num_seqs=4, max_model_len=512, prefix_cache=True)
-    texts, images = [p for p, _ in prompts], [[IMAGES[i] for i in names] for _, names in prompts]
-    completions, stats = llm.generate(texts, SamplingParams(max_new_tokens=8), images=images, config=on)
-    assert [c.token_ids for c in completions] == want
-    # the same ids (pads alike) up to the end, but nothing at or past the first pad is shared
-    assert stats.prefix_cache_hits == 2 and stats.cached_prompt_tokens <= 2 * first_pad
 
 
 @pytest.mark.skipif(not (FIXTURES / "qwen35_dense_dflash").is_dir(), reason="DFlash fixtures absent")

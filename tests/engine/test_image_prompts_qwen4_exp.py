@@ -5,8 +5,8 @@ PLE hashes the image-pad ids like any token.
 
 Oracles: transformers' `Qwen4ExpForConditionalGeneration` with `pixel_values`, `image_grid_thw` and
 `mm_token_type_ids` (whole-prompt logits, fp32; greedy `generate`); the same engine without
-speculative decoding (greedy, token for token, fp32 and bf16), without chunked prefill and without
-the prefix cache.
+speculative decoding (greedy, token for token, fp32 and bf16) and without chunked prefill. The prefix
+cache on image prompts: test_prefix_cache_images.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from freetoken.engine.config import EngineConfig
-from freetoken.sampling import SamplingParams
-from tests.engine.test_image_prompts import IMAGES, LONG_TEXT, PROMPTS, TWO_IMAGES, _generate, _hf_greedy, _llm, _logits_and_hf
+from tests.engine.test_image_prompts import IMAGES, PROMPTS, TWO_IMAGES, _generate, _hf_greedy, _llm, _logits_and_hf
 from tests.models.vision.conftest import vl_qwen4_exp  # noqa: F401 (a fixture)
 
 
@@ -53,18 +52,6 @@ def test_chunked_prefill_across_an_image_equals_unchunked(vl_qwen4_exp):  # noqa
     assert pads[0][0] < 32 < pads[0][1]  # a 32-token chunk ends inside the first image
     chunked = EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=32, prefill_align=16)
     assert _generate(llm, PROMPTS, 8, chunked) == _generate(llm, PROMPTS, 8)
-
-
-def test_prefix_cache_never_shares_past_an_image(vl_qwen4_exp):  # noqa: F811
-    llm = _llm(str(vl_qwen4_exp["default"][1]))
-    prompts = [(LONG_TEXT + "<image>", ["a"]), (LONG_TEXT + "<image>", ["b"])]
-    first_pad = llm.encode_with_images(prompts[0][0], [IMAGES["a"]])[1].first_pad
-    want = [_generate(llm, [p], 8)[0] for p in prompts]
-    on = EngineConfig(max_num_seqs=4, max_model_len=512, prefix_cache=True)
-    texts, images = [p for p, _ in prompts], [[IMAGES[i] for i in names] for _, names in prompts]
-    completions, stats = llm.generate(texts, SamplingParams(max_new_tokens=8), images=images, config=on)
-    assert [c.token_ids for c in completions] == want
-    assert stats.prefix_cache_hits == 1 and 0 < stats.cached_prompt_tokens <= first_pad
 
 
 @pytest.mark.cuda

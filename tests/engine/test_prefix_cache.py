@@ -11,7 +11,7 @@ import torch
 
 from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.linear_state_pool import LinearStatePool
-from freetoken.engine.prefix_cache import PrefixCache
+from freetoken.engine.prefix_cache import PrefixCache, page_key
 from freetoken.engine.request import Request
 from freetoken.engine.shared_prefixes import SharedPrefixes
 from freetoken.engine.spec_protocol import NoSpec
@@ -153,10 +153,13 @@ def test_a_snapshot_is_usable_only_by_a_request_that_gives_its_positions_the_sam
 
 
 def test_shared_prefixes_plan_cuts_and_hold_back_requests_that_share_a_prefix_being_computed():
-    shared = SharedPrefixes(BS)
-    shared.add(0, list(range(20)))
-    shared.add(1, list(range(10)) + [99] * 10)
-    shared.add(2, [7] * 20)
+    def pages(prompt: list[int]) -> list[tuple]:
+        return [page_key(prompt, None, start, start + BS) for start in range(0, len(prompt) - BS + 1, BS)]
+
+    shared = SharedPrefixes()
+    shared.add(0, pages(list(range(20))))
+    shared.add(1, pages(list(range(10)) + [99] * 10))
+    shared.add(2, pages([7] * 20))
     assert [shared.shared_pages(i) for i in range(3)] == [2, 2, 0]
     shared.start_computing(0, 2)
     assert shared.should_wait(1) and not shared.should_wait(0) and not shared.should_wait(2)

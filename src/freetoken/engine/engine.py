@@ -198,10 +198,12 @@ class LLMEngine:
             finished += self._decode(scheduled.decode)
         return finished
 
-    def _encode_images(self, request: Request) -> None:
-        """The request's image features, computed once (a chunked or repeated prefill slices them)."""
-        images = request.images
-        if images is not None and images.features is None:
+    def _encode_images(self, images: RequestImages | None, first_row: int) -> None:
+        """A request's image features, computed once (a chunked or repeated prefill slices them) when a row
+        from first_row on (the first not computed yet) is an image pad. A prefix-cache hit past every pad
+        needs none: the rows still to compute (target and draft) read only tokens from first_row on. The
+        tower always encodes all the images of a request together, so the features do not depend on the hit."""
+        if images is not None and images.features is None and images.has_pads_from(first_row):
             tower = self.vision_tower
             pixels = images.pixel_values.to(device=self.device, dtype=next(tower.parameters()).dtype)
             images.features = tower(pixels, images.grids).to(self.config.torch_dtype)
@@ -209,7 +211,7 @@ class LLMEngine:
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         align = self.scheduler.prefill_align
         for chunk in chunks:
-            self._encode_images(chunk.request)
+            self._encode_images(chunk.request.images, chunk.start)
         groups = [RowGroup(c.request.block_table, c.request.state_slot, c.start, c.request.token_ids[c.start : c.start + c.length],
                            chunkable_end=c.request.chunkable_end(align), images=c.request.images) for c in chunks]
         ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)

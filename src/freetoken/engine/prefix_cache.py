@@ -1,11 +1,11 @@
 """Radix cache of prompt prefixes over the paged KV pool: a request admitted with a prefix that an
 earlier request computed reuses its KV pages and linear-attention state instead of prefilling it.
 
-Layout. One tree node per page (block_size tokens): its key is the page's tokens, its value the KV
-block that holds them (the pool's reference counts count the tree as one holder), so a path from
-the root is a page-aligned prefix. The cache inserts a request's committed pages after each of its
-prefill steps and when it finishes, and `acquire`s the longest usable path for a request it
-admits: the request's block table starts with the path's blocks (shared, read-only: a request
+Layout. One tree node per page (block_size tokens): its key is the page's tokens (`page_key`), its
+value the KV block that holds them (the pool's reference counts count the tree as one holder), so a
+path from the root is a page-aligned prefix. The cache inserts a request's committed pages after
+each of its prefill steps and when it finishes, and `acquire`s the longest usable path for a request
+it admits: the request's block table starts with the path's blocks (shared, read-only: a request
 writes only at positions past its cached ones) and its prefill starts after them. At least one
 prompt row is always left to prefill, so the spec method sees the last prompt row as usual.
 Unreferenced leaves are evicted least recently used first when the KV pool is short (`reclaim`): the
@@ -13,9 +13,18 @@ leaves wait in a heap ordered by last use (leaf_heap.py), so eviction never scan
 last use is the last lookup or insert whose path went through it. Each request keeps the path it
 acquired and inserted, and its next insert goes on from there instead of looking its pages up again.
 
+Images. Every image pad has the same token id, so a key also names the image content of its pads:
+for each image with pads in the page, (the image's content hash, the place of the page's first pad
+among the image's pads) (RequestImages.content_key). Two requests share a page only if their
+prompts agree on every token and every image up to its end; the mRoPE positions of the rows, which
+depend on the grids of the images before them, are then the same too (models/vision/prompt.py
+lays positions out from the start of the prompt). A request whose hit covers every one of its pads
+does not run the vision tower at all (engine.py).
+
 Lookahead keys (DESIGN.md invariant 6). When the spec method writes draft rows into the pages
 (MTP: its KV row at position p is a function of token p + 1), a page's key also holds the token
-after it, so a hit never reuses a draft row written for another next token.
+after it (with that token's image content if it is a pad), so a hit never reuses a draft row written
+for another next token.
 
 Draft context (invariant 7). A method that keeps per-position state outside the pages (DFlash's
 context rows) exports it for every page the cache takes and imports it on a hit, so drafts after
@@ -43,6 +52,7 @@ from freetoken.engine.kv_pool import KVPool
 from freetoken.engine.leaf_heap import LeafHeap
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.request import Request
+from freetoken.engine.request_images import RequestImages
 from freetoken.engine.shared_prefixes import SharedPrefixes
 from freetoken.engine.spec_protocol import SpecMethod
 from freetoken.engine.state_snapshots import SnapshotStore
@@ -51,7 +61,7 @@ from freetoken.layers.linear_attn import CHUNK
 
 @dataclass(eq=False)
 class Node:
-    key: tuple[int, ...]  # the page's tokens (+ the next token with lookahead keys)
+    key: tuple  # page_key of the page's tokens (+ the next token with lookahead keys)
     block: int  # the KV block holding the page
     parent: Node | None
     num_tokens: int  # prefix length through this page
@@ -84,7 +94,7 @@ class PrefixCache:
         if state_pool is not None:
             self.snapshots = SnapshotStore(state_pool, snapshot_budget_bytes if exact_snapshots else 0, kv_pool.num_blocks)
         self.cut_multiple = math.lcm(self.block_size, prefill_align) if self.hybrid else self.block_size
-        self.shared = SharedPrefixes(self.block_size)
+        self.shared = SharedPrefixes()
         self.root = Node((), -1, None, 0)
         self.num_pages = 0
         self.context_bytes = 0  # held by the pages' spec exports
@@ -102,7 +112,8 @@ class PrefixCache:
     # -- the requests' lifecycle -------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """A new request: count its prompt among the live ones."""
-        self.shared.add(request.request_id, request.prompt_token_ids[: self._cacheable(request)])
+        prompt, bs = request.prompt_token_ids, self.block_size
+        self.shared.add(request.request_id, [page_key(prompt, request.images, start, start + bs) for start in range(0, len(prompt) - bs + 1, bs)])
 
     def should_wait(self, request: Request) -> bool:
         """Whether admitting the request should wait for another request to finish computing a prefix it shares."""
@@ -154,24 +165,17 @@ class PrefixCache:
         self.paths.pop(request.request_id, None)
 
     # -- the tree --------------------------------------------------------------------------------
-    def _cacheable(self, request: Request) -> int:
-        """Tokens whose pages may be shared, their lookahead keys included: all, or for an image prompt those
-        whose keys end before its first image pad (pads look the same for every image)."""
-        if request.images is None:
-            return len(request.token_ids)
-        return max(request.images.first_pad - self.lookahead, 0)
-
-    def _key(self, tokens: list[int], page: int) -> tuple[int, ...]:
+    def _key(self, request: Request, page: int) -> tuple:
         start = page * self.block_size
-        return tuple(tokens[start : start + self.block_size + self.lookahead])
+        return page_key(request.token_ids, request.images, start, start + self.block_size + self.lookahead)
 
     def match(self, request: Request) -> list[Node]:
         """The longest cached path the request may reuse: at most its prefill rows less one, ending at a
         node with a fitting state snapshot on hybrid models."""
-        tokens, node, path = request.token_ids, self.root, []
-        limit = min(request.num_prefill_tokens - 1, self._cacheable(request))
+        node, path = self.root, []
+        limit = request.num_prefill_tokens - 1
         while (len(path) + 1) * self.block_size <= limit:
-            node = node.children.get(self._key(tokens, len(path)))
+            node = node.children.get(self._key(request, len(path)))
             if node is None:
                 break
             path.append(node)
@@ -185,14 +189,14 @@ class PrefixCache:
         """Cache the full pages of the request's first num_tokens tokens (committed), and with `snapshot`
         the linear state of its slot, which must be at exactly num_tokens tokens."""
         tokens = request.token_ids
-        num_pages = min(num_tokens, len(tokens) - self.lookahead, self._cacheable(request)) // self.block_size
+        num_pages = min(num_tokens, len(tokens) - self.lookahead) // self.block_size
         path = self.paths.get(request.request_id, [])
         if path and path[-1].evicted:  # a page of it was someone else's, and was evicted: look the pages up again
             path = []
         path = path[:num_pages]
         node = path[-1] if path else self.root
         for page in range(len(path), num_pages):
-            key = self._key(tokens, page)
+            key = self._key(request, page)
             child = node.children.get(key)
             if child is None:
                 block = request.block_table[page]
@@ -279,6 +283,13 @@ class PrefixCache:
         self.num_pages -= 1
         self.context_bytes -= _nbytes(node.context)
         self.stats.evicted_pages += 1
+
+
+def page_key(tokens: list[int], images: RequestImages | None, start: int, stop: int) -> tuple:
+    """What the rows of tokens[start:stop] are a function of besides the tokens before them: their token
+    ids, then the image content of the image pads among them (RequestImages.content_key)."""
+    key = tuple(tokens[start:stop])
+    return key if images is None else key + images.content_key(start, stop)
 
 
 def _snapshot_fits(node: Node, chunkable_end: int) -> bool:

@@ -1,9 +1,10 @@
 """Which page-aligned prompt prefixes the live requests share, and which of them a running request is
 computing now.
 
-The engine hands every prompt over as it is added. A prompt's full pages form a chain: page i's id
-names its tokens together with the chain before it, so two prompts have the same id at page i
-exactly when their first i + 1 pages agree. From the counts of the live prompts per id, the prefix
+The prefix cache hands every prompt over as it is added, as the keys of its full pages (tokens and
+image content: prefix_cache.page_key). They form a chain: page i's id names its key together with
+the chain before it, so two prompts have the same id at page i exactly when their first i + 1 pages
+agree. From the counts of the live prompts per id, the prefix
 cache learns how deep a prompt shares its prefix with another one (where its prefill should end a
 piece, so that the state there can be snapshotted), and the scheduler holds back a waiting request
 while another request is computing a prefix it shares (it then starts from the cache instead of
@@ -14,20 +15,19 @@ from __future__ import annotations
 
 
 class SharedPrefixes:
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.ids: dict[tuple[int, tuple[int, ...]], int] = {}  # (previous page's id or -1, page tokens) -> id
+    def __init__(self):
+        self.ids: dict[tuple[int, tuple], int] = {}  # (previous page's id or -1, page key) -> id
         self.counts: dict[int, int] = {}  # id -> live prompts through it
-        self.keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # id -> its key (to forget unused ids)
+        self.keys: dict[int, tuple[int, tuple]] = {}  # id -> its key (to forget unused ids)
         self.chains: dict[int, list[int]] = {}  # request id -> its prompt's page ids
         self.computing: dict[int, int] = {}  # page id -> the request computing the prefix that ends there
         self.next_id = 0
 
-    def add(self, request_id: int, prompt: list[int]) -> None:
-        """Count a new live prompt."""
-        chain, previous, bs = [], -1, self.block_size
-        for start in range(0, len(prompt) - bs + 1, bs):
-            key = (previous, tuple(prompt[start : start + bs]))
+    def add(self, request_id: int, pages: list[tuple]) -> None:
+        """Count a new live prompt, given as the keys of its full pages."""
+        chain, previous = [], -1
+        for page in pages:
+            key = (previous, page)
             previous = self.ids.get(key, -1)
             if previous < 0:
                 previous = self.ids[key] = self.next_id
