@@ -194,7 +194,7 @@ def qsa_select(
             q, raw, k_norm_weight, block_cos, block_sin, keys, groups[g0:], batch.row_seq, batch.context_lens, table,
             num_heads, d, eps, d**0.5, page_size, top_blocks, max_blocks, r0,
             q.stride(0), q.stride(1), raw.stride(0), rope_seq, block_cos.stride(1), table.stride(0),
-            RATIO=ratio, ROT=block_cos.shape[-1], R=per_group, H_PAD=h_pad, D_PAD=triton.next_power_of_2(d),
+            RATIO=ratio, ROT=block_cos.shape[-1], R=per_group, H_PAD=h_pad, D_PAD=max(16, triton.next_power_of_2(d)),
             BLOCK_B=BLOCK_B, DOT_F32=INTERPRET, num_warps=NUM_WARPS,
         )
         _select_kernel[(r1 - r0,)](
