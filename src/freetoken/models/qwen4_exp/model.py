@@ -15,9 +15,21 @@ Beyond paged K/V and GDN state the model declares (`extra_kv_shapes`, `extra_sta
 indexers' raw keys per token (one extra KV row tensor per attention layer, the MTP layer's
 included, same slots as its K/V) and the PLE windows per request (ple.py).
 
-Kernels: every op here runs its torch reference, on CUDA too (`kernels.torch_only`): the Triton
-kernels were not checked on this family's variants (sigmoid GDN gate, QSA, PLE), and CUDA graphs
-are off for it (`supports_cuda_graphs`). No tensor parallelism.
+Kernels: every op goes through `kernels`, so on CUDA (and under the interpreter with
+FREETOKEN_KERNELS=triton) these run on Triton: the embedding, every linear (hyper-connection mixes and
+injections, PLE key/value, GDN, attention, indexer and MoE projections, lm_head), the norms (the
+grouped per-stream norms of the hyper-connections and PLE, the MTP's pre-fc norms, q/k and indexer
+norms), the GDN layer (convolution, recurrence with its fused input preparation, chunked prefill, the
+sigmoid-gated norm), the MoE routing and experts, the PLE gated value with its norm and its dilated
+causal convolution, and QSA's block selection and sparse attention (qsa.py, `kernels.qsa_select` /
+`kernels.qsa_attention`). Torch on every device: the hyper-connections' elementwise ops (sigmoid and
+silu gates, the mean over the streams, the injection: each element alone, so row-invariant), RoPE and
+the K/V store of the attention (qsa.py, rope.py), the PLE n-gram hash (integer ops) and its windows'
+bookkeeping.
+
+CUDA graphs stay off (`supports_cuda_graphs`): the PLE layer builds each sequence's n-gram ids and
+commits its windows in host loops over the sequences, its convolution copies the rows' cached lengths
+to the device on every call, and capturing this family was never tried. No tensor parallelism.
 """
 
 from __future__ import annotations
@@ -35,7 +47,6 @@ from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 from freetoken.models.qwen4_exp.hyper_connection import GatedResidual, inject
 from freetoken.models.qwen4_exp.ple import PLELayer, ple_state_specs
 from freetoken.models.qwen4_exp.qsa import QSAAttention
-from freetoken.models.qwen4_exp.ops import torch_reference
 from freetoken.models.qwen4_exp.rope import Rotary
 
 
@@ -96,7 +107,7 @@ class Qwen4ExpModel(nn.Module):
 class Qwen4ExpForCausalLM(nn.Module):
     """The target: forward() -> the wide residual [N, S*H], compute_logits() -> fp32 logits."""
 
-    supports_cuda_graphs = False  # the torch reference path (module docstring)
+    supports_cuda_graphs = False  # the PLE layer's host loops (module docstring)
 
     def __init__(self, cfg: Qwen4ExpConfig, with_mtp: bool):
         super().__init__()
@@ -154,11 +165,9 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.mtp if name == "mtp" else self.attached_drafts.get(name)
 
     # -- compute -------------------------------------------------------------------------------------
-    @torch_reference
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, H]
         return self.model.embed_tokens(ids)
 
-    @torch_reference
     def forward(self, ctx: ForwardContext, export_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the rows of ctx through the trunk -> the wide residual after the last layer [N, S*H].
 
@@ -177,7 +186,6 @@ class Qwen4ExpForCausalLM(nn.Module):
             return x
         return x, torch.cat([streams[i] for i in export_layers], dim=-1)
 
-    @torch_reference
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [M, S*H] -> [M, V] fp32
         """The mixer, then lm_head; upcast=False leaves the logits in the weights' dtype."""
         return self.logits_of_mixed(self.model.hyper_connection_mixer(hidden), upcast)
@@ -188,7 +196,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         logits = kernels.linear(mixed, weight)
         return logits.float() if upcast else logits
 
-    @torch_reference
     def commit(self, ctx: ForwardContext, accepted_rows: "list[int] | kernels.SeqBatch") -> None:
         """After a VERIFY forward: fold each sequence's first accepted_rows[i] rows into its GDN and PLE state."""
         replay = accepted_rows if isinstance(accepted_rows, kernels.SeqBatch) else kernels.seq_batch(ctx).accepted(list(accepted_rows))

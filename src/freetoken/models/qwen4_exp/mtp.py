@@ -19,7 +19,6 @@ from torch import nn
 from freetoken.forward_context import ForwardContext
 from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
-from freetoken.models.qwen4_exp.ops import torch_reference
 from freetoken.models.qwen4_exp.rope import Rotary
 
 
@@ -38,7 +37,6 @@ class Qwen4ExpMTP(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", kv_index, rotary)])
         self._target = [target]  # a plain list: the target is not a submodule of its own head
 
-    @torch_reference
     def forward(self, ctx: ForwardContext, hidden: torch.Tensor) -> torch.Tensor:
         """ctx.input_ids [N] = x_{t+1}, hidden [N, S*H] = h_t (or the previous step's output), ctx.positions = t
         -> X1 [N, S*H], the layer's wide output."""
@@ -53,7 +51,6 @@ class Qwen4ExpMTP(nn.Module):
             x = layer(x, ctx)
         return x
 
-    @torch_reference
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:  # [M, S*H] -> [M, V] fp32
         """The head's own mixer, then the target's lm_head."""
         return self._target[0].logits_of_mixed(self.hyper_connection_mixer(hidden), upcast)

@@ -1,5 +1,5 @@
-"""Small ops of the qwen4_exp blocks that kernels/ does not have (torch only: the family runs its
-torch reference path, model.py).
+"""Small elementwise ops of the qwen4_exp blocks, and the grouped norm's module (its op is
+`kernels.grouped_zc_rms_norm`).
 
 Row invariance on CPU: an element's bits must not depend on how many rows share a call (a decode
 step has 1 row, a verify step k+1). sigmoid and silu come from kernels/activation_ref.py, which is
@@ -9,7 +9,6 @@ elementwise kernels treat every element alike and take the whole tensor).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -18,17 +17,6 @@ from torch import nn
 from freetoken import kernels
 from freetoken.kernels import activation_ref
 from freetoken.layers.basic import _empty
-
-
-def torch_reference(method):
-    """Run the method with every kernel on its torch reference, on CUDA too (`kernels.torch_only`)."""
-
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with kernels.torch_only():
-            return method(*args, **kwargs)
-
-    return run
 
 
 def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -41,17 +29,9 @@ def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
 sigmoid, silu = activation_ref.sigmoid, activation_ref.silu
 
 
-def grouped_zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm with one RMS per `group`-wide slice: x [..., G * group], weight [G * group]
-    -> norm(x) * (1 + w), computed in fp32 and cast back (transformers' `Qwen4ExpTextRMSNorm`)."""
-    shape = x.shape
-    xf = x.float().reshape(*shape[:-1], -1, group)
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).reshape(shape)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
-
-
 class GroupedZCRMSNorm(nn.Module):
-    """grouped_zc_rms_norm with its weight [G * group] (the streams' norms of hyper-connections and PLE)."""
+    """Zero-centred RMSNorm with one RMS per `group`-wide slice and its weight [G * group] (the streams'
+    norms of hyper-connections and PLE; transformers' `Qwen4ExpTextRMSNorm`)."""
 
     def __init__(self, dim: int, group: int, eps: float):
         super().__init__()
@@ -59,7 +39,7 @@ class GroupedZCRMSNorm(nn.Module):
         self.group, self.eps = group, eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, G * group] -> [N, G * group]
-        return grouped_zc_rms_norm(x, self.weight, self.group, self.eps)
+        return kernels.grouped_zc_rms_norm(x, self.weight, self.group, self.eps)
 
 
 def mean_over(parts: torch.Tensor, dim: int) -> torch.Tensor:

@@ -7,8 +7,8 @@ EOS; positions before 0 read as EOS. x_n = XOR_s tok_s * mu_s, and head h of ord
 
     k = norm_key(key_proj e) [S, H]    v = value_proj e [H]    q = norm_query(X) [S, H]
     g_s = <k_s, q_s> / sqrt(H);  g_s <- sign(g_s) sqrt(max(|g_s|, 1e-6))
-    gv  = [sigmoid(g_s) v]_s;    gvn = norm_conv(gv)
-    PLE(X) = gv + silu(causal depthwise conv of gvn: K taps, dilation N, no bias)
+    gv  = [sigmoid(g_s) v]_s;    gvn = norm_conv(gv)                 (kernels.ple_gated_value)
+    PLE(X) = gv + silu(causal depthwise conv of gvn: K taps, dilation N, no bias)   (kernels.dilated_causal_conv1d_batched)
 
 The multipliers mu, the primes P_h and the offsets are recomputed from the config (weights.py, as
 transformers' `_build_layer_multipliers`, `_find_nth_prime_after`); they are plain Python numbers,
@@ -22,8 +22,6 @@ VERIFY only reads them and stashes its gvn rows, and `commit` appends each seque
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -91,7 +89,6 @@ class PLELayer(nn.Module):
     def __init__(self, cfg: Qwen4ExpConfig, ple_index: int):
         super().__init__()
         h, wide, e = cfg.hidden_size, cfg.wide_size, cfg.ple_embed_dim
-        self.hidden_size, self.streams = h, cfg.hc_count
         self.ngram_size, self.eos = cfg.ngram_size, cfg.ple_eos_token_id
         self.kernel_size = cfg.ple_conv_kernel_size
         self.ple_index = ple_index  # this layer's row of the PLE state pools
@@ -123,44 +120,20 @@ class PLELayer(nn.Module):
                 past.copy_(window[window.shape[0] - history :])
         return torch.cat(out)
 
-    def _conv(self, gvn: torch.Tensor, conv_pool: torch.Tensor, batch: kernels.SeqBatch, write_state: bool) -> torch.Tensor:
-        """silu(dilated causal depthwise conv) of gvn [N, S*H] over each sequence's window -> [N, S*H]."""
-        dilation, span = self.ngram_size, conv_pool.shape[1]
-        weight = self.conv1d.weight[:, 0, :].float()  # [S*H, K]
-        out = torch.empty_like(gvn)
-        for i in range(batch.num_seqs):
-            rows, cached, slot = batch.rows(i), batch.num_cached[i], batch.state_slots[i]
-            n = batch.num_rows[i]
-            if n == 0:
-                continue
-            past = conv_pool[slot]
-            before_start = (torch.arange(cached - span, cached, device=gvn.device) < 0)[:, None]
-            full = torch.cat([past.masked_fill(before_start, 0), gvn[rows]])  # [span + n, S*H]
-            acc = full[0:n].float() * weight[:, 0]
-            for j in range(1, self.kernel_size):
-                acc = acc + full[j * dilation : j * dilation + n].float() * weight[:, j]
-            out[rows] = ops.silu(acc).to(gvn.dtype)
-            if write_state:
-                past.copy_(full[n:])
-        return out
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, S*H] -> [N, S*H]
         """The PLE term added to the streams (VERIFY: the windows are read only, the gvn rows stashed)."""
-        n, s, h = x.shape[0], self.streams, self.hidden_size
         batch = kernels.seq_batch(ctx)
         ids_pool, conv_pool = self._windows(ctx)
         e = self.ple_embedding(self._tokens(ctx, ids_pool, batch))  # [N, E_p]
-        k = self.norm_key(self.key_proj(e)).view(n, s, h)
+        k = self.norm_key(self.key_proj(e))  # [N, S*H]
         v = self.value_proj(e)  # [N, H]
-        q = self.norm_query(x).view(n, s, h)
-        g = ((k.float() * q.float()).sum(-1) / math.sqrt(h)).to(x.dtype)  # [N, S]
-        g = g.abs().clamp_min(1e-6).sqrt() * g.sign()
-        gv = (ops.sigmoid(g)[:, :, None] * v[:, None, :]).reshape(n, s * h)
-        gvn = self.norm_conv(gv)
+        q = self.norm_query(x)  # [N, S*H]
+        gv, gvn = kernels.ple_gated_value(k, q, v, self.norm_conv.weight, self.norm_conv.eps)
         verify = ctx.mode is ForwardMode.VERIFY
         if verify:
             ctx.stash[f"ple.{self.ple_index}"] = gvn
-        return gv + self._conv(gvn, conv_pool, batch, write_state=not verify)
+        conv = kernels.dilated_causal_conv1d_batched(conv_pool, gvn, self.conv1d.weight[:, 0, :], batch, self.ngram_size, write_state=not verify)
+        return gv + conv
 
     def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
         """Append each sequence's accepted verify rows (replay: the verify layout cut to them) to its windows."""
