@@ -161,3 +161,37 @@ def test_qsa_kernels_build_for_sm90(qsa_ptx):
     products stay rounded alone (no fma.rn.bf16) and their mean and the score scale are IEEE divisions."""
     assert set(qsa_ptx) == {"qsa_score", "qsa_select", "qsa_attention"} and all(p["ptx_chars"] > 0 for p in qsa_ptx.values())
     assert qsa_ptx["qsa_score"]["bf16_fma"] == 0 and qsa_ptx["qsa_score"]["div_rn"] > 0
+
+
+_QWEN4_BUILD = """
+import json, sys
+from freetoken.kernels import dilated_conv_triton as dc, norm_triton, ple_gate_triton as pg
+from tests.kernels import sm90_build
+
+def ptx(kernel, pointers, ints, floats, constants, options, unspecialised=()):
+    signature = dict(pointers) | {name: "i32" for name in ints} | {name: "fp32" for name in floats} | {name: "constexpr" for name in constants}
+    divisible = tuple(n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in unspecialised)
+    return sm90_build.ptx(kernel, signature, constants, options, divisible)
+
+# qwen4_exp's real shapes: 4 streams of 2560, PLE conv of 4 taps at dilation 3 over 10240 channels
+built = {}
+built["grouped_norm"] = ptx(norm_triton._rms_norm_kernel, {n: "*bf16" for n in ("x_ptr", "z_ptr", "w_ptr", "y_ptr")},
+                            ("D", "stride_x", "stride_z", "stride_y", "z_heads", "z_head_stride", "w_groups"), ("eps",),
+                            dict(MODE=0, ACT=0, BLOCK_D=4096, PDL=True), {"num_warps": 8}, unspecialised=("z_heads", "z_head_stride", "w_groups"))
+built["ple_gate"] = ptx(pg._gated_value_kernel, {n: "*bf16" for n in ("k_ptr", "q_ptr", "v_ptr", "w_ptr", "gv_ptr", "gvn_ptr")},
+                        ("H", "stride_k", "stride_q", "stride_v", "stride_gv", "stride_gvn"), ("inv_sqrt_h", "eps"),
+                        dict(BLOCK_H=4096, PDL=True), {"num_warps": pg.NUM_WARPS})
+built["ple_conv"] = ptx(dc._dilated_conv_kernel, {n: "*bf16" for n in ("win_ptr", "x_ptr", "w_ptr", "y_ptr")}
+                        | {n: "*i32" for n in ("starts_ptr", "counts_ptr", "slots_ptr", "cached_ptr")},
+                        ("C", "write_state", "win_slot", "win_t", "x_row", "w_c", "y_row"), (),
+                        dict(KW=4, DILATION=3, BLOCK_W=16, BLOCK_C=dc.BLOCK_C, PDL=True), {"num_warps": dc.NUM_WARPS}, unspecialised=("write_state", "w_c"))
+json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16")} for name, p in built.items()}, sys.stdout)
+"""
+
+
+def test_qwen4_exp_kernels_build_for_sm90():
+    """The grouped per-stream norm, the PLE gated value and the PLE dilated convolution compile for the
+    H200 at the real shapes; none contracts a bf16 product into a bf16 sum (no fma.rn.bf16)."""
+    built = json.loads(sm90_build.run(_QWEN4_BUILD))
+    assert set(built) == {"grouped_norm", "ple_gate", "ple_conv"} and all(p["ptx_chars"] > 0 for p in built.values())
+    assert all(p["bf16_fma"] == 0 for p in built.values()), built
