@@ -25,11 +25,6 @@ class RequestImages:
     def __post_init__(self):
         self.content_hashes = image_content_hashes(self.pixel_values, self.grids)
 
-    @property
-    def first_pad(self) -> int:
-        """Index of the prompt's first image-pad token."""
-        return self.pad_spans[0][0]
-
     def has_pads_from(self, index: int) -> bool:
         """Whether an image-pad token sits at index or later (its feature is still needed there)."""
         return self.pad_spans[-1][1] > index
