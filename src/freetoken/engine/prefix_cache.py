@@ -165,17 +165,17 @@ class PrefixCache:
         self.paths.pop(request.request_id, None)
 
     # -- the tree --------------------------------------------------------------------------------
-    def _key(self, request: Request, page: int) -> tuple:
+    def _key(self, tokens: list[int], images: RequestImages | None, page: int) -> tuple:
         start = page * self.block_size
-        return page_key(request.token_ids, request.images, start, start + self.block_size + self.lookahead)
+        return page_key(tokens, images, start, start + self.block_size + self.lookahead)
 
     def match(self, request: Request) -> list[Node]:
         """The longest cached path the request may reuse: at most its prefill rows less one, ending at a
         node with a fitting state snapshot on hybrid models."""
-        node, path = self.root, []
+        tokens, node, path = request.token_ids, self.root, []
         limit = request.num_prefill_tokens - 1
         while (len(path) + 1) * self.block_size <= limit:
-            node = node.children.get(self._key(request, len(path)))
+            node = node.children.get(self._key(tokens, request.images, len(path)))
             if node is None:
                 break
             path.append(node)
@@ -188,15 +188,15 @@ class PrefixCache:
     def insert(self, request: Request, num_tokens: int, snapshot: bool) -> None:
         """Cache the full pages of the request's first num_tokens tokens (committed), and with `snapshot`
         the linear state of its slot, which must be at exactly num_tokens tokens."""
-        tokens = request.token_ids
-        num_pages = min(num_tokens, len(tokens) - self.lookahead) // self.block_size
+        num_pages = min(num_tokens, request.num_tokens - self.lookahead) // self.block_size
         path = self.paths.get(request.request_id, [])
         if path and path[-1].evicted:  # a page of it was someone else's, and was evicted: look the pages up again
             path = []
         path = path[:num_pages]
         node = path[-1] if path else self.root
+        tokens = request.token_ids if num_pages > len(path) else []
         for page in range(len(path), num_pages):
-            key = self._key(request, page)
+            key = self._key(tokens, request.images, page)
             child = node.children.get(key)
             if child is None:
                 block = request.block_table[page]
@@ -230,11 +230,13 @@ class PrefixCache:
 
     def _touch(self, path: list[Node]) -> None:
         """A lookup or insert went down this path (root first): it is the most recently used, deepest last."""
+        clock = self.clock
         for node in path:
-            self.clock += 1
-            node.last_use = self.clock
+            clock += 1
+            node.last_use = clock
             if node.snapshot is not None:
                 self.snapshots.touch(node.snapshot)
+        self.clock = clock
         if path and not path[-1].children:
             self.leaves.push(path[-1])
 
