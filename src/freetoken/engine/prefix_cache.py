@@ -65,7 +65,7 @@ class Node:
     block: int  # the KV block holding the page
     parent: Node | None
     num_tokens: int  # prefix length through this page
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    children: dict[tuple, Node] = field(default_factory=dict)  # by key
     last_use: int = 0
     context: Any = None  # the spec method's export for this page (None if it keeps nothing outside the pages)
     snapshot: int | None = None  # SnapshotStore slot of the linear state at num_tokens
