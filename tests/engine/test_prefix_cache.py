@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.engine.kv_pool import KVPool
+from freetoken.engine.leaf_heap import MIN_REBUILD
 from freetoken.engine.linear_state_pool import LinearStatePool
 from freetoken.engine.prefix_cache import PrefixCache, page_key
 from freetoken.engine.request import Request
@@ -241,3 +242,44 @@ def test_an_admission_that_cannot_fit_evicts_no_cached_page():
     cache.add(fits)
     assert [c.request for c in scheduler.schedule().prefill] == [fits]
     assert cache.num_pages == 0 and cache.stats.evicted_pages == 2 and len(fits.block_table) == 4
+
+
+def test_reclaim_order_equals_a_scan_of_the_whole_tree_after_many_touches():
+    import random
+
+    rng = random.Random(0)
+    pool = _pool(400)
+    cache = PrefixCache(pool, None, NoSpec(), prefill_align=64, snapshot_budget_bytes=0)
+    holders = []
+    for i in range(300):  # prompts over a small alphabet: deep shared paths, many touches, heap rebuilds
+        request = _request(i, [rng.randrange(3) for _ in range(rng.randrange(5, 30))])
+        cache.restore(request, cache.acquire(request))
+        if request.num_cached_tokens < len(request.prompt_token_ids) - 1 and pool.can_grow(request.block_table, len(request.prompt_token_ids) - 1):
+            _computed(pool, cache, request, len(request.prompt_token_ids) - 1)
+        if rng.random() < 0.1:
+            holders.append(request)
+        else:
+            cache.release(request)
+            pool.free(request.block_table)
+    assert cache.leaves.pushes > 2 * MIN_REBUILD
+
+    def oldest_first(k: int) -> list[int]:  # the oracle: k evictions, each a scan of the whole tree
+        nodes, stack = [], list(cache.root.children.values())
+        while stack:
+            nodes.append(stack.pop())
+            stack.extend(nodes[-1].children.values())
+        gone: dict[int, int] = {}  # id -> block, in eviction order
+        for _ in range(k):
+            leaves = [n for n in nodes if id(n) not in gone and pool.ref_counts[n.block] == 1 and all(id(c) in gone for c in n.children.values())]
+            if not leaves:
+                return []
+            oldest = min(leaves, key=lambda n: n.last_use)
+            gone[id(oldest)] = oldest.block
+        return list(gone.values())
+
+    while want := oldest_first(3):
+        assert cache.reclaim(3) and list(pool.free_blocks)[-3:] == want
+    assert not cache.reclaim(3) and cache.num_pages > 0  # fewer than 3 left that no request holds: none evicted
+    for request in holders:
+        pool.free(request.block_table)
+    assert cache.reclaim(cache.num_pages) and cache.num_pages == 0 and pool.num_free_blocks == 400
