@@ -1,8 +1,10 @@
 """The prefix cache's bookkeeping without a model: the page tree over a refcounted KV pool, lookahead
-keys, LRU reclaim, the snapshot budget and the shared-prefix planning.
+keys, LRU reclaim (all or nothing, so a failed admission evicts nothing), the snapshot budget and the
+shared-prefix planning.
 
-Oracles: hand-counted page paths, reference counts and free-list sizes for small hand-built prompts;
-snapshot contents compared with the state written into the live slot before it was snapshotted.
+Oracles: hand-counted page paths, reference counts, free-list sizes and eviction orders for small
+hand-built prompts; the eviction order of a scan of the whole tree for a random one; snapshot
+contents compared with the state written into the live slot before it was snapshotted.
 """
 
 from __future__ import annotations
