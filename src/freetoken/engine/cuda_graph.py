@@ -173,7 +173,7 @@ class DecodeGraphs:
         from freetoken.kernels import use_triton
 
         probe = torch.empty(1, device=device)
-        captured = getattr(model, "supports_cuda_graphs", True)  # False: a model that runs its torch reference path
+        captured = getattr(model, "supports_cuda_graphs", True)  # False: a forward with host-side work per step (qwen4_exp, expert offload)
         return captured and device.type == "cuda" and getattr(model, "config", None) is not None and use_triton(probe)
 
     def run(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None = None) -> GraphStep:

@@ -44,8 +44,8 @@ _torch_only_depth = 0  # > 0 inside `torch_only()`
 
 @contextlib.contextmanager
 def torch_only():
-    """Run every op inside on its torch reference, CUDA tensors included: for a model whose shapes
-    or variants the Triton kernels were never checked on (qwen4_exp). Not thread-safe; nests."""
+    """Run every op inside on its torch reference, CUDA tensors included (e.g. a test's common starting
+    state before the Triton path). Not thread-safe; nests."""
     global _torch_only_depth
     _torch_only_depth += 1
     try:
