@@ -138,15 +138,15 @@ built["qsa_score"] = ptx(qs._score_kernel, {"q_ptr": "*bf16", "raw_ptr": "*bf16"
                                             "group_ptr": "*i32", "row_seq_ptr": "*i32", "ctx_len_ptr": "*i32", "table_ptr": "*i32"},
                          ("H", "D", "page_size", "top_blocks", "max_blocks", "row0", "q_row", "q_head", "raw_slot", "rope_seq", "rope_block", "table_row"),
                          ("eps", "sqrt_d"),
-                         dict(RATIO=4, ROT=64, R=4, H_PAD=4, D_PAD=128, BLOCK_B=qs.BLOCK_B, DOT_F32=False), {"num_warps": qs.NUM_WARPS},
+                         dict(RATIO=4, ROT=64, R=4, H_PAD=4, D_PAD=128, BLOCK_B=qs.BLOCK_B, DOT_F32=False, PDL=True), {"num_warps": qs.NUM_WARPS},
                          unspecialised=("H", "row0", "rope_seq", "top_blocks", "max_blocks"))
 built["qsa_select"] = ptx(qs._select_kernel, {"key_ptr": "*i32", "ids_ptr": "*i32", "count_ptr": "*i32", "ctx_len_ptr": "*i32"},
                           ("top_blocks", "max_blocks", "row0", "ids_row"), (),
-                          dict(RATIO=4, TOP_PAD=512, CHUNK=qs.SELECT_CHUNK), {"num_warps": qs.NUM_WARPS}, unspecialised=("row0",))
+                          dict(RATIO=4, TOP_PAD=512, CHUNK=qs.SELECT_CHUNK, PDL=True), {"num_warps": qs.NUM_WARPS}, unspecialised=("row0",))
 ints = ("ids_ptr", "count_ptr", "row_seq_ptr", "ctx_len_ptr", "table_ptr")
 built["qsa_attention"] = ptx(qa._attention_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")} | {n: "*i32" for n in ints},
                              ("G", "D", "page_size", "q_row", "q_head", "kv_slot", "kv_head", "o_row", "o_head", "ids_row", "table_row"), ("scale",),
-                             dict(RATIO=4, G_PAD=16, D_PAD=256, KEYS=qa.KEYS), {"num_warps": qa.NUM_WARPS}, unspecialised=("G",))
+                             dict(RATIO=4, G_PAD=16, D_PAD=256, KEYS=qa.KEYS, PDL=True), {"num_warps": qa.NUM_WARPS}, unspecialised=("G",))
 json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16"), "div_rn": p.count("div.rn.f32")} for name, p in built.items()}, sys.stdout)
 """
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton
+from freetoken.kernels import compat_triton, pdl
 from freetoken.kernels.batched import SeqBatch
 
 compat_triton.patch()  # the interpreter's fix-up (compat_triton), for the runtime loop bound
@@ -32,8 +32,9 @@ def _attention_kernel(
     row_seq_ptr, ctx_len_ptr, table_ptr,
     G, D, page_size, scale,
     q_row, q_head, kv_slot, kv_head, o_row, o_head, ids_row, table_row,
-    RATIO: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, KEYS: tl.constexpr,
+    RATIO: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, KEYS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx_len = tl.load(ctx_len_ptr + r)
@@ -100,6 +101,6 @@ def qsa_attention(
         q, k_cache, v_cache, out, block_ids, counts, batch.row_seq, batch.context_lens, table,
         group, d, page_size, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1), block_ids.stride(0), table.stride(0),
-        RATIO=ratio, G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)), KEYS=KEYS, num_warps=NUM_WARPS,
+        RATIO=ratio, G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=max(16, triton.next_power_of_2(d)), KEYS=KEYS, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
     )
     return out

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels import compat_triton
+from freetoken.kernels import compat_triton, pdl
 from freetoken.kernels.batched import SeqBatch
 from freetoken.kernels.compat_triton import INTERPRET
 
@@ -48,8 +48,9 @@ def _score_kernel(
     H, D, eps, sqrt_d, page_size, top_blocks, max_blocks, row0,
     q_row, q_head, raw_slot, rope_seq, rope_block, table_row,
     RATIO: tl.constexpr, ROT: tl.constexpr, R: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_B: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_B: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     g = tl.program_id(0)
     t = tl.program_id(1)
     first = tl.load(group_ptr + 2 * g).to(tl.int64)
@@ -120,8 +121,9 @@ def _score_kernel(
 def _select_kernel(
     key_ptr, ids_ptr, count_ptr, ctx_len_ptr,
     top_blocks, max_blocks, row0, ids_row,
-    RATIO: tl.constexpr, TOP_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    RATIO: tl.constexpr, TOP_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.sync(PDL)
     r = row0 + tl.program_id(0).to(tl.int64)
     complete = tl.load(ctx_len_ptr + r) // RATIO
     keep = tl.minimum(complete, top_blocks)
@@ -195,11 +197,11 @@ def qsa_select(
             num_heads, d, eps, d**0.5, page_size, top_blocks, max_blocks, r0,
             q.stride(0), q.stride(1), raw.stride(0), rope_seq, block_cos.stride(1), table.stride(0),
             RATIO=ratio, ROT=block_cos.shape[-1], R=per_group, H_PAD=h_pad, D_PAD=max(16, triton.next_power_of_2(d)),
-            BLOCK_B=BLOCK_B, DOT_F32=INTERPRET, num_warps=NUM_WARPS,
+            BLOCK_B=BLOCK_B, DOT_F32=INTERPRET, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
         _select_kernel[(r1 - r0,)](
             keys, ids, counts, batch.context_lens, top_blocks, max_blocks, r0, ids.stride(0),
-            RATIO=ratio, TOP_PAD=triton.next_power_of_2(top_blocks), CHUNK=SELECT_CHUNK, num_warps=NUM_WARPS,
+            RATIO=ratio, TOP_PAD=triton.next_power_of_2(top_blocks), CHUNK=SELECT_CHUNK, num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
     return ids, counts
 
