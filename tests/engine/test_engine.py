@@ -156,8 +156,8 @@ def test_decode_graph_buckets_and_padding_rows():
 
 def test_graph_staging_holds_what_build_context_builds():
     """The decode graphs' staging buffer, after load and upload, holds the step inputs the eager path
-    builds with build_context (token ids, positions, KV slots), the context lengths of SeqBatch, the
-    state slots and the padded block tables."""
+    builds with build_context (token ids, positions, KV slots), the cached and context lengths of
+    SeqBatch, the state slots and the padded block tables."""
     from freetoken.engine.cuda_graph import _Staging
     from freetoken.engine.kv_pool import KVPool
     from freetoken.engine.runner import RowGroup, build_context
@@ -173,5 +173,6 @@ def test_graph_staging_holds_what_build_context_builds():
     assert torch.equal(d["input_ids"], ctx.input_ids) and torch.equal(d["positions"], ctx.positions)
     assert torch.equal(d["slot_mapping"], ctx.slot_mapping)
     assert torch.equal(d["context_lens"], seq_batch(ctx).context_lens)
+    assert torch.equal(d["cached"], seq_batch(ctx).cached) and d["cached"].tolist() == [9, 0]
     assert d["slots"].tolist() == [2, 0]
     assert d["block_table"][0, :3].tolist() == [3, 7, 1] and d["block_table"][1, :1].tolist() == [5]

@@ -5,7 +5,7 @@ captured once and replayed with new inputs. Batch sizes are rounded up to bucket
 multiples of 8 up to max_num_seqs): the padding requests' rows read and write only a KV block and
 a GDN state slot reserved for them, their results are ignored, and since every op is row-invariant
 the real rows get the bits they would get in a batch of their own size. The per-step inputs (token ids, positions, KV slots,
-state slots, context lengths, block tables) live in one staging buffer: the host fills one of its
+state slots, cached lengths, context lengths, block tables) live in one staging buffer: the host fills one of its
 two pinned twins (in turn, so it can fill the next step's while this step's copy is still queued)
 with numpy and one asynchronous copy moves it to the device, where the captured kernels read them.
 A replay computes exactly what the eager forward would (same kernels, same launch shapes). Capture
@@ -29,8 +29,9 @@ staging entry is j >= 0 with last_tokens[j]. So the engine launches step n+1 bef
 back, with step n's tokens as inputs; nothing else writes last_tokens between the two replays (a
 capture in between restores it after its warm-up runs, as it restores the GDN state).
 
-The eager warm-up before a capture runs the real step on the real pools; the GDN state of the
-batch's slots is saved before and restored after, so the step that follows sees untouched state.
+The eager warm-up before a capture runs the real step on the real pools; the linear state of the
+batch's slots (GDN state and the model's extra states) is saved before and restored after, so the
+step that follows sees untouched state.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class _Staging(StagingBuffer):
     def __init__(self, num_seqs: int, rows_per_seq: int, max_blocks: int, device: torch.device):
         n = num_seqs * rows_per_seq
         super().__init__([("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
-                          ("slots", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)), ("block_table", torch.int32, (num_seqs, max_blocks)),
+                          ("slots", torch.int32, (num_seqs,)), ("cached", torch.int32, (num_seqs,)), ("context_lens", torch.int32, (n,)),
+                          ("block_table", torch.int32, (num_seqs, max_blocks)),
                           ("fed_back_rows", torch.int64, (n,))], device)
         self.rows_per_seq = rows_per_seq
 
@@ -115,6 +117,7 @@ class _Staging(StagingBuffer):
             h["slot_mapping"][rows] = kv_pool.slots(group.block_table, start, start + r)
             h["context_lens"][rows] = range(start + 1, start + r + 1)
             h["slots"][i] = -1 if group.state_slot is None else group.state_slot
+            h["cached"][i] = start
             h["block_table"][i, : len(group.block_table)] = group.block_table
         self.upload()
 
@@ -210,13 +213,13 @@ class DecodeGraphs:
         ctx = replace(first, input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"], stash={})
         batch = SeqBatch.from_seqs(first.seqs, device)
         fixed = {name: getattr(batch, name).clone() for name in ("starts", "counts", "row_seq")}
-        batch.__dict__.update(fixed, slots=views["slots"], context_lens=views["context_lens"], block_table=views["block_table"])
+        batch.__dict__.update(fixed, slots=views["slots"], cached=views["cached"], context_lens=views["context_lens"], block_table=views["block_table"])
         ctx.__dict__["_seq_batch"] = (ctx.seqs, batch)
         accepted_rows = batch.counts.clone() if mode is ForwardMode.VERIFY else None
         replay = None
         if accepted_rows is not None:
             replay = batch.accepted(list(batch.num_rows))
-            replay.__dict__.update(starts=batch.starts, slots=batch.slots, counts=accepted_rows)
+            replay.__dict__.update(starts=batch.starts, slots=batch.slots, cached=batch.cached, counts=accepted_rows)
 
         feeds_back = greedy and rows == 1  # reads and writes last_tokens
 
@@ -244,19 +247,21 @@ class DecodeGraphs:
         return entry
 
     def _saver(self, batch: SeqBatch):
-        """A function that puts the GDN state of the batch's slots and last_tokens back as they are now
-        (a capture may come while the step whose tokens it feeds back is in flight)."""
+        """A function that puts the linear state of the batch's slots (GDN conv and recurrent state, the
+        model's extra states such as qwen4_exp's PLE windows) and last_tokens back as they are now (a
+        capture may come while the step whose tokens it feeds back is in flight)."""
         last_tokens = self.last_tokens.clone()
         state = self.state_pool.state if self.state_pool is not None else None
         if state is not None:
             slots = batch.slots.long().clone()
-            saved = (state.conv[:, slots].clone(), state.recurrent[:, slots].clone())
+            pools = [state.conv, state.recurrent, *state.extra.values()]
+            saved = [pool[:, slots].clone() for pool in pools]
 
         def restore() -> None:
             self.last_tokens.copy_(last_tokens)
             if state is not None:
-                state.conv[:, slots] = saved[0]
-                state.recurrent[:, slots] = saved[1]
+                for pool, values in zip(pools, saved):
+                    pool[:, slots] = values
 
         return restore
 

@@ -261,6 +261,18 @@ def dilated_causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, wei
     return ple_ref.dilated_causal_conv1d_batched(windows, rows, weight, batch, dilation, write_state)
 
 
+def ple_ngram_tokens(windows: torch.Tensor, ids: torch.Tensor, batch: SeqBatch, eos: int, ngram_size: int, write_state: bool = True) -> torch.Tensor:
+    """The PLE layer's n-gram token columns [N, ngram_size] int64 of the step's ids [N] after each sequence's
+    id window (the pool [slots, ngram_size - 1]); windows advance if write_state; see ple_ref."""
+    if use_triton(ids):
+        from freetoken.kernels import ple_ngram_triton
+
+        return ple_ngram_triton.ngram_tokens(windows, ids, batch, eos, ngram_size, write_state)
+    from freetoken.kernels import ple_ref
+
+    return ple_ref.ngram_tokens_batched(windows, ids, batch, eos, ngram_size, write_state)
+
+
 def ple_gated_value(k: torch.Tensor, q: torch.Tensor, v: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The PLE layer's gated value gv and its per-stream norm gvn [N, S*H] of k, q [N, S*H], v [N, H]; see ple_ref."""
     if use_triton(v):
@@ -390,6 +402,7 @@ __all__ = [
     "norm_rope_store",
     "paged_attention_batched",
     "ple_gated_value",
+    "ple_ngram_tokens",
     "qsa_attention",
     "qsa_select",
     "rms_norm",

@@ -71,6 +71,10 @@ class SeqBatch:
         return torch.tensor(self.state_slots, dtype=torch.int32, device=self.device)
 
     @functools.cached_property
+    def cached(self) -> torch.Tensor:  # [B] int32: tokens each sequence has in the cache before this step
+        return torch.tensor(self.num_cached, dtype=torch.int32, device=self.device)
+
+    @functools.cached_property
     def row_seq(self) -> torch.Tensor:  # [N] int32: the sequence of each row
         ids = [i for i, n in enumerate(self.num_rows) for _ in range(n)]
         return torch.tensor(ids, dtype=torch.int32, device=self.device)

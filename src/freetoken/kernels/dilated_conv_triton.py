@@ -85,11 +85,10 @@ def dilated_causal_conv1d(
     out = torch.empty_like(rows)
     if batch.num_seqs == 0 or n == 0:
         return out
-    cached = torch.tensor(batch.num_cached, dtype=torch.int32, device=rows.device)
     block_c = min(BLOCK_C, triton.next_power_of_2(c))
     grid = (batch.num_seqs, triton.cdiv(c, block_c))
     _dilated_conv_kernel[grid](
-        windows, rows, weight, out, batch.starts, batch.counts, batch.slots, cached,
+        windows, rows, weight, out, batch.starts, batch.counts, batch.slots, batch.cached,
         c, int(write_state),
         windows.stride(0), windows.stride(1), rows.stride(0), weight.stride(0), out.stride(0),
         KW=kw, DILATION=dilation, BLOCK_W=triton.next_power_of_2(windows.shape[1]), BLOCK_C=block_c, num_warps=NUM_WARPS, **pdl.launch_kwargs(),

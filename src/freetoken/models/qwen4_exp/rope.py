@@ -47,7 +47,8 @@ def yarn_inv_freq(cfg: Qwen4ExpConfig) -> tuple[torch.Tensor, float]:
 
 class Rotary:
     """cos/sin per position and their application; not a module (it holds no parameters). Its inverse
-    frequencies are built on the CPU (also while the model is built on the meta device) and moved per call."""
+    frequencies are built on the CPU (also while the model is built on the meta device) and copied to
+    each device once (`inv_freq_on`)."""
 
     def __init__(self, cfg: Qwen4ExpConfig):
         if cfg.rope_type == "yarn":
@@ -57,11 +58,20 @@ class Rotary:
         self.rotary_dim = cfg.rotary_dim
         # [rotary_dim / 2]: the axis (0 t, 1 h, 2 w) each frequency reads from [3, N] positions
         self.mrope_axes = torch.tensor(mrope_axes(cfg.rotary_dim // 2, cfg.mrope_section), device="cpu")
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies on `device`, copied there on first use (a CUDA graph's capture comes
+        after eager steps, so it reads the copy and copies nothing)."""
+        inv_freq = self._inv_freq_on.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[device] = self.inv_freq.to(device)
+        return inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] (or [3, N] (t, h, w)) -> cos, sin [N, rotary_dim] in dtype (scaled, then cast, as
         transformers does)."""
-        freqs = rope_freqs(positions, self.inv_freq.to(positions.device), self.mrope_axes)
+        freqs = rope_freqs(positions, self.inv_freq_on(positions.device), self.mrope_axes)
         cos = per_row(lambda f: f.cos() * self.scale, freqs)
         sin = per_row(lambda f: f.sin() * self.scale, freqs)
         return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
