@@ -56,11 +56,13 @@ def setup(device, dtype, num_rows, num_cached, dims, seed=0):
 @pytest.fixture(params=["shipped", "small"])
 def tiles(request, monkeypatch):
     """The shipped tile sizes, and (CPU contexts are short) small ones, so a row's blocks span several
-    score programs and select steps and its keys several online-softmax steps."""
+    score programs and select steps, and its key list several partitions and merge steps (kernel and
+    reference alike: the partition is qsa_ref's)."""
     if request.param == "small":
         monkeypatch.setattr(qsa_select_triton, "BLOCK_B", 16)
         monkeypatch.setattr(qsa_select_triton, "SELECT_CHUNK", 8)
-        monkeypatch.setattr(qsa_attention_triton, "KEYS", 16)
+        monkeypatch.setattr(qsa_ref, "PARTITION", 8)
+        monkeypatch.setattr(qsa_ref, "MERGE_PARTS", 2)
     return request.param
 
 
@@ -138,13 +140,19 @@ def test_rows_alone_equal_rows_in_batch(device, dtype, tiles):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_launches_split_by_whole_row_groups(device, monkeypatch):
-    # A workspace below one row's keys: a launch per row group, the same selection.
+    # A select workspace below one row's (a launch per row group) and an attention workspace of 7 rows
+    # (launches that cut sequences apart): the same bits.
     num_rows, num_cached, dims = case(device)
-    args, _ = setup(device, torch.bfloat16, num_rows, num_cached, dims, seed=2)
+    args, qkv = setup(device, torch.bfloat16, num_rows, num_cached, dims, seed=2)
     whole = qsa_select_triton.qsa_select(**args)
+    whole_out = attention(qsa_attention_triton, qkv, *whole, args["batch"])
     monkeypatch.setattr(qsa_select_triton, "WORKSPACE_BYTES", 1)
+    q, top_blocks = qkv[0], args["top_blocks"]
+    parts = -(-(top_blocks * RATIO + RATIO - 1) // qsa_ref.PARTITION)
+    monkeypatch.setattr(qsa_attention_triton, "WORKSPACE_BYTES", 7 * q.shape[1] * parts * (q.shape[2] + 2) * 4)
     split = qsa_select_triton.qsa_select(**args)
     assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+    assert torch.equal(attention(qsa_attention_triton, qkv, *split, args["batch"]), whole_out)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -212,3 +220,52 @@ def test_model_indexer_triton_path_equals_torch_path(device, dtype, monkeypatch)
         selections[mode] = indexer(x, ctx, cos, sin)
     assert torch.equal(selections["triton"].counts, selections["torch"].counts)
     assert torch.equal(selections["triton"].block_ids, selections["torch"].block_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_radix_select_keeps_the_sorted_order_on_crafted_keys(device):
+    """The select kernel alone on key rows built to stress each radix digit: keys equal but for their
+    lowest digit, or for their highest, only a few values (many ties at the cut), all equal, all zero,
+    and random ones; it keeps exactly qsa_ref.top_blocks_of's blocks (larger key first, on equal keys
+    the lower block), over several select steps."""
+    gen = torch.Generator().manual_seed(3)
+    complete, keep, chunk = 40, 7, 16
+    rows = [
+        0x3F000000 + torch.randint(0, 256, (complete,), generator=gen),  # the lowest digit decides
+        (torch.randint(0, 128, (complete,), generator=gen) << 24) + 0x00123456,  # the highest digit decides
+        torch.tensor([0x3F800000, 0x3F800001, 0x3F810000, 0x40000000])[torch.randint(0, 4, (complete,), generator=gen)],  # ties at the cut
+        torch.full((complete,), 0x3F800000),
+        torch.zeros(complete, dtype=torch.int64),
+        torch.randint(0, 2**31 - 1, (complete,), generator=gen),
+    ]
+    keys = torch.stack(rows).to(torch.int32).to(device)
+    n = keys.shape[0]
+    ids = torch.full((n, keep), -2, dtype=torch.int32, device=device)
+    counts = torch.empty(n, dtype=torch.int32, device=device)
+    ctx_lens = torch.full((n,), complete * RATIO + 1, dtype=torch.int32, device=device)
+    qsa_select_triton._select_kernel[(n,)](keys, ids, counts, ctx_lens, keep, complete, 0, ids.stride(0),
+                                           RATIO=RATIO, TOP_PAD=8, CHUNK=chunk, PDL=False)
+    for r in range(n):
+        assert ids[r].tolist() == qsa_ref.top_blocks_of(keys[r].cpu(), keep).tolist(), r
+    assert counts.tolist() == [keep] * n
+
+
+def test_reference_attention_equals_one_softmax_over_the_key_list(monkeypatch):
+    """qsa_ref's partitioned attention (several partitions and merge steps) in fp32 against one softmax
+    over each row's attended positions (qsa_ref.selected_positions)."""
+    monkeypatch.setattr(qsa_ref, "PARTITION", 4)
+    monkeypatch.setattr(qsa_ref, "MERGE_PARTS", 2)
+    num_rows, num_cached, dims = case("cpu")
+    args, (q, k_cache, v_cache) = setup("cpu", torch.float32, num_rows, num_cached, dims, seed=4)
+    ids, counts = qsa_ref.qsa_select(**args)
+    batch, scale = args["batch"], q.shape[-1] ** -0.5
+    got = attention(qsa_ref, (q, k_cache, v_cache), ids, counts, batch)
+    group = q.shape[1] // k_cache.shape[1]
+    for seq in range(batch.num_seqs):
+        slots = token_slots(batch.block_tables[seq], batch.num_cached[seq] + batch.num_rows[seq], PAGE)
+        for j in range(batch.num_rows[seq]):
+            row = batch.row_starts[seq] + j
+            at = slots[qsa_ref.selected_positions(ids[row], int(counts[row]), batch.num_cached[seq] + j + 1, RATIO)]
+            keys, values = (c[at].repeat_interleave(group, dim=1).transpose(0, 1) for c in (k_cache, v_cache))  # [Hq, L, D]
+            probs = torch.softmax((keys @ q[row][:, :, None]).squeeze(-1) * scale, dim=-1)
+            torch.testing.assert_close(got[row], (probs[:, None, :] @ values).squeeze(1), rtol=1e-5, atol=1e-6)

@@ -124,7 +124,8 @@ def test_products_rounded_before_a_sum_stay_unfused_in_the_sm90_build(counts, ke
 
 _QSA_BUILD = """
 import json, sys
-from freetoken.kernels import qsa_attention_triton as qa, qsa_select_triton as qs
+import triton
+from freetoken.kernels import qsa_attention_triton as qa, qsa_ref as qr, qsa_select_triton as qs
 from tests.kernels import sm90_build
 
 def ptx(kernel, pointers, ints, floats, constants, options, unspecialised=()):
@@ -144,10 +145,17 @@ built["qsa_select"] = ptx(qs._select_kernel, {"key_ptr": "*i32", "ids_ptr": "*i3
                           ("top_blocks", "max_blocks", "row0", "ids_row"), (),
                           dict(RATIO=4, TOP_PAD=512, CHUNK=qs.SELECT_CHUNK, PDL=True), {"num_warps": qs.NUM_WARPS}, unspecialised=("row0",))
 ints = ("ids_ptr", "count_ptr", "row_seq_ptr", "ctx_len_ptr", "table_ptr")
-built["qsa_attention"] = ptx(qa._attention_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")} | {n: "*i32" for n in ints},
-                             ("G", "D", "page_size", "q_row", "q_head", "kv_slot", "kv_head", "o_row", "o_head", "ids_row", "table_row"), ("scale",),
-                             dict(RATIO=4, G_PAD=16, D_PAD=256, KEYS=qa.KEYS, PDL=True), {"num_warps": qa.NUM_WARPS}, unspecialised=("G",))
-json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16"), "div_rn": p.count("div.rn.f32")} for name, p in built.items()}, sys.stdout)
+built["qsa_partition"] = ptx(qa._partition_kernel, {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")} | {n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")}
+                             | {n: "*i32" for n in ints},
+                             ("G", "D", "page_size", "num_parts", "row0", "q_row", "q_head", "kv_slot", "kv_head", "ids_row", "table_row"), ("scale",),
+                             dict(RATIO=4, G_PAD=16, D_PAD=256, PARTITION=qr.PARTITION, DOT_F32=False, PDL=True), {"num_warps": qa.NUM_WARPS},
+                             unspecialised=("G", "num_parts", "row0"))
+built["qsa_merge"] = ptx(qa._merge_kernel, {n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")} | {"o_ptr": "*bf16", "count_ptr": "*i32", "ctx_len_ptr": "*i32"},
+                         ("D", "num_parts", "row0", "o_row", "o_head"), (),
+                         dict(RATIO=4, PARTITION=qr.PARTITION, PARTS_PAD=triton.next_power_of_2(triton.cdiv(2048 + 3, qr.PARTITION)),
+                              MERGE_PARTS=qr.MERGE_PARTS, D_PAD=256, PDL=True), {"num_warps": qa.MERGE_WARPS}, unspecialised=("num_parts", "row0"))
+json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16"), "div_rn": p.count("div.rn.f32"),
+                  "tensor_core_dots": p.count("mma.sync") + p.count("wgmma.mma_async"), "f32_fma": p.count("fma.rn.f32")} for name, p in built.items()}, sys.stdout)
 """
 
 
@@ -157,10 +165,13 @@ def qsa_ptx():
 
 
 def test_qsa_kernels_build_for_sm90(qsa_ptx):
-    """The QSA score, select and attention kernels compile for the H200; the pooled keys' rotation
-    products stay rounded alone (no fma.rn.bf16) and their mean and the score scale are IEEE divisions."""
-    assert set(qsa_ptx) == {"qsa_score", "qsa_select", "qsa_attention"} and all(p["ptx_chars"] > 0 for p in qsa_ptx.values())
+    """The QSA score, select, partition and merge kernels compile for the H200; the pooled keys' rotation
+    products stay rounded alone (no fma.rn.bf16) and their mean and the score scale are IEEE divisions;
+    the partition's two bf16 dots run on tensor cores; the merge divides by the IEEE division."""
+    assert set(qsa_ptx) == {"qsa_score", "qsa_select", "qsa_partition", "qsa_merge"} and all(p["ptx_chars"] > 0 for p in qsa_ptx.values())
     assert qsa_ptx["qsa_score"]["bf16_fma"] == 0 and qsa_ptx["qsa_score"]["div_rn"] > 0
+    assert qsa_ptx["qsa_partition"]["tensor_core_dots"] > 0, qsa_ptx["qsa_partition"]
+    assert qsa_ptx["qsa_merge"]["div_rn"] > 0
 
 
 _QWEN4_BUILD = """

@@ -23,8 +23,18 @@ Layouts shared with the kernels:
 - raw keys [num_slots, d_i] (or [num_slots, 1, d_i]): the paged extra KV rows, slot = page * page
   size + offset through the sequence's block table.
 
-Each row is computed alone (its scores, top-k and softmax have shapes set by its own context), so
-it gets the same bits whichever rows share the call.
+Attention over a row's *key list*: its kept blocks' tokens in ascending block order, then the tail.
+The list is cut into PARTITION-wide partitions counted from its start; for each partition p the
+scores s = (q . k) * scale are fp32, m_p is their max, l_p the fp32 sum of e = exp(s - m_p), and the
+partition's output e . V is taken with e rounded to the cache dtype (as torch's attention rounds the
+probabilities; a no-op for fp32 caches), accumulated in fp32. The merge weighs partition p by
+w_p = exp(m_p - max m) and adds w_p * l_p and w_p * (e . V) up MERGE_PARTS partitions at a time, in
+order p = 0, 1, ...; the output is the sum of outputs divided by the sum of l. The Triton kernels
+(qsa_attention_triton.py) take the same steps with the same roundings; they differ only in the
+order of fp32 sums (the dots, a partition's sum, the sum over a merge step) and in exp's last bits.
+
+Each row is computed alone (its scores, top-k, partitions and merge have shapes set by its own
+context), so it gets the same bits whichever rows share the call.
 """
 
 from __future__ import annotations
@@ -36,6 +46,9 @@ import torch
 from freetoken.kernels import norm_ref
 from freetoken.kernels.attention_ref import token_slots
 from freetoken.kernels.batched import SeqBatch
+
+PARTITION = 32  # keys per partition of a row's key list (the Triton kernel's too)
+MERGE_PARTS = 16  # partitions the merge adds up per step (the Triton kernel's too)
 
 
 def score_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -111,6 +124,37 @@ def selected_positions(block_ids: torch.Tensor, count: int, context_len: int, ra
     return torch.cat([tokens, torch.arange((context_len // ratio) * ratio, context_len, device=block_ids.device)])
 
 
+def partitioned_attention(
+    q: torch.Tensor,  # [Hq, D] one row's query heads
+    keys: torch.Tensor,  # [L, Hkv, D] the row's key list, cache dtype
+    values: torch.Tensor,  # [L, Hkv, D]
+    scale: float,
+) -> torch.Tensor:
+    """One row's softmax attention over its key list, partition by partition and merged in order
+    (module docstring) -> [Hq, D] fp32."""
+    num_keys, num_kv_heads, d = keys.shape
+    group = q.shape[0] // num_kv_heads
+    parts = -(-num_keys // PARTITION)
+    pad = parts * PARTITION - num_keys
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D] cache dtype
+    scores = torch.matmul(k, q.float()[:, :, None]).squeeze(-1) * scale  # [Hq, L]
+    scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(-1, parts, PARTITION)
+    v = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(-1, parts, PARTITION, d)
+    m = scores.amax(-1)  # [Hq, parts]: every partition holds a key
+    e = torch.exp(scores - m[..., None])
+    sums = e.sum(-1)  # [Hq, parts]
+    outs = torch.matmul(e.to(values.dtype)[:, :, None, :].float(), v.float()).squeeze(2)  # [Hq, parts, D]
+    w = torch.exp(m - m.amax(-1, keepdim=True))
+    norm = torch.zeros(q.shape[0], dtype=torch.float32, device=q.device)
+    total = torch.zeros(q.shape[0], d, dtype=torch.float32, device=q.device)
+    for p0 in range(0, parts, MERGE_PARTS):
+        step = slice(p0, p0 + MERGE_PARTS)
+        norm = norm + (w[:, step] * sums[:, step]).sum(-1)
+        total = total + (w[:, step, None] * outs[:, step]).sum(1)
+    return total / norm[:, None]
+
+
 def qsa_attention(
     q: torch.Tensor,  # [N, Hq, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
@@ -122,9 +166,8 @@ def qsa_attention(
     ratio: int,
     scale: float,
 ) -> torch.Tensor:
-    """Each row's softmax attention (fp32) over its selected positions of its sequence's paged caches
-    -> [N, Hq, D] in q.dtype."""
-    group = q.shape[1] // k_cache.shape[1]
+    """Each row's softmax attention over its key list (`partitioned_attention`) in its sequence's paged
+    caches -> [N, Hq, D] in q.dtype."""
     out = torch.empty_like(q)
     counts = counts.tolist()
     for i in range(batch.num_seqs):
@@ -133,8 +176,5 @@ def qsa_attention(
         for j in range(rows):
             row = batch.row_starts[i] + j
             keys_at = slots[selected_positions(block_ids[row], counts[row], cached + j + 1, ratio)]
-            keys = k_cache[keys_at].float().repeat_interleave(group, dim=1).transpose(0, 1).contiguous()  # [Hq, L, D]
-            values = v_cache[keys_at].float().repeat_interleave(group, dim=1).transpose(0, 1).contiguous()
-            probs = torch.softmax(torch.matmul(keys, q[row].float()[:, :, None]).squeeze(-1) * scale, dim=-1)  # [Hq, L]
-            out[row] = torch.matmul(probs[:, None, :], values).squeeze(1).to(q.dtype)
+            out[row] = partitioned_attention(q[row], k_cache[keys_at], v_cache[keys_at], scale).to(q.dtype)
     return out

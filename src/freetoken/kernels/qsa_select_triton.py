@@ -16,9 +16,12 @@ per-row value, so the pair can be captured in a CUDA graph):
    rows that select (more complete blocks than top_blocks) and their complete blocks only, into a
    workspace [rows, max_blocks]. A row's keys depend on its own q and the blocks only.
 2. `_select_kernel`, one program per row: a row with at most top_blocks complete blocks keeps them
-   all; another finds the top_blocks-th largest key T by a binary search on its 31 value bits (keys
-   are >= 0), then keeps, in ascending block order, the blocks with key > T and the lowest-index
-   blocks with key == T until top_blocks are kept (qsa_ref's tie order).
+   all; another finds the top_blocks-th largest key T by a radix select, four passes over its keys
+   (keys are >= 0): pass i counts, in a 256-bin histogram, digit i (bits 24 - 8i .. 31 - 8i) of the
+   keys whose higher digits equal T's found so far, and T's digit i is the largest digit
+   with at least as many such keys at or above it as are still to be kept. A last pass keeps, in
+   ascending block order, the blocks with key > T and the lowest-index blocks with key == T until
+   top_blocks are kept (qsa_ref's tie order). The counts are integers, so T is exact.
 
 The pooled keys differ from the reference's only through the norm's sum of squares (its order) and
 the dot's summation order, so a score can differ in its last bits; a selection then differs only
@@ -36,7 +39,8 @@ from freetoken.kernels.batched import SeqBatch
 from freetoken.kernels.compat_triton import INTERPRET
 
 BLOCK_B = 32  # key blocks per score program
-SELECT_CHUNK = 256  # keys a select program reads per step
+SELECT_CHUNK = 1024  # keys a select program reads per step
+RADIX = tl.constexpr(256)  # bins of one radix-select digit (8 bits)
 WORKSPACE_BYTES = 64 << 20  # score keys of one launch; more rows go in several launches
 NUM_WARPS = 4
 
@@ -134,20 +138,22 @@ def _select_kernel(
     else:
         row_keys = key_ptr + (r - row0) * max_blocks
         offs = tl.arange(0, CHUNK)
-        threshold = 0
-        for i in range(31):  # the largest T with at least `keep` keys >= T, bit by bit from bit 30
-            candidate = threshold | (1 << (30 - i))
-            above = 0
+        digits = tl.arange(0, RADIX)
+        threshold = 0  # the keep-th largest key, its digits found from the top
+        decided = 0  # the mask of its digits found so far
+        ties_kept = keep  # of the keys that share the decided digits, how many are kept
+        for level in tl.static_range(4):
+            shift = 24 - 8 * level
+            hist = tl.zeros((RADIX,), dtype=tl.int32)
             for c0 in range(0, complete, CHUNK):
                 k = tl.load(row_keys + c0 + offs, mask=c0 + offs < complete, other=-1)
-                above += tl.sum((k >= candidate).to(tl.int32), axis=0)
-            if above >= keep:
-                threshold = candidate
-        greater = 0
-        for c0 in range(0, complete, CHUNK):
-            k = tl.load(row_keys + c0 + offs, mask=c0 + offs < complete, other=-1)
-            greater += tl.sum((k > threshold).to(tl.int32), axis=0)
-        ties_kept = keep - greater
+                match = (c0 + offs < complete) & ((k & decided) == threshold)
+                hist += tl.histogram((k >> shift) & (RADIX - 1), RADIX, mask=match)
+            at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # [RADIX]: matching keys with this digit or a larger one
+            digit = tl.max(tl.where(at_or_above >= ties_kept, digits, 0), axis=0)
+            ties_kept -= tl.sum(tl.where(digits > digit, hist, 0), axis=0)
+            threshold = threshold | (digit << shift)
+            decided = decided | (((RADIX - 1) << shift) & 0x7FFFFFFF)
         kept = 0
         ties_seen = 0
         for c0 in range(0, complete, CHUNK):
