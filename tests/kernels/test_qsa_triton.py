@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from tests.kernels.conftest import DEVICES  # noqa: E402
+from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
 
 from freetoken.kernels import qsa_attention_triton, qsa_ref, qsa_select_triton  # noqa: E402
 from freetoken.kernels.attention_ref import token_slots  # noqa: E402
@@ -57,11 +57,11 @@ def setup(device, dtype, num_rows, num_cached, dims, seed=0):
 def tiles(request, monkeypatch):
     """The shipped tile sizes, and (CPU contexts are short) small ones, so a row's blocks span several
     score programs and select steps, and its key list several partitions and merge steps (kernel and
-    reference alike: the partition is qsa_ref's)."""
+    reference alike: the partition is qsa_ref's; a GPU dot needs 16 keys at least)."""
     if request.param == "small":
         monkeypatch.setattr(qsa_select_triton, "BLOCK_B", 16)
         monkeypatch.setattr(qsa_select_triton, "SELECT_CHUNK", 8)
-        monkeypatch.setattr(qsa_ref, "PARTITION", 8)
+        monkeypatch.setattr(qsa_ref, "PARTITION", 8 if INTERPRET else 16)
         monkeypatch.setattr(qsa_ref, "MERGE_PARTS", 2)
     return request.param
 
