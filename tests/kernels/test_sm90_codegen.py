@@ -176,7 +176,7 @@ def test_qsa_kernels_build_for_sm90(qsa_ptx):
 
 _QWEN4_BUILD = """
 import json, sys
-from freetoken.kernels import dilated_conv_triton as dc, norm_triton, ple_gate_triton as pg
+from freetoken.kernels import dilated_conv_triton as dc, norm_triton, ple_gate_triton as pg, ple_ngram_triton as pn
 from tests.kernels import sm90_build
 
 def ptx(kernel, pointers, ints, floats, constants, options, unspecialised=()):
@@ -196,13 +196,17 @@ built["ple_conv"] = ptx(dc._dilated_conv_kernel, {n: "*bf16" for n in ("win_ptr"
                         | {n: "*i32" for n in ("starts_ptr", "counts_ptr", "slots_ptr", "cached_ptr")},
                         ("C", "write_state", "win_slot", "win_t", "x_row", "w_c", "y_row"), (),
                         dict(KW=4, DILATION=3, BLOCK_W=16, BLOCK_C=dc.BLOCK_C, PDL=True), {"num_warps": dc.NUM_WARPS}, unspecialised=("write_state", "w_c"))
+built["ple_ngram"] = ptx(pn._ngram_tokens_kernel, {n: "*i64" for n in ("win_ptr", "ids_ptr", "out_ptr")}
+                         | {n: "*i32" for n in ("starts_ptr", "counts_ptr", "slots_ptr", "cached_ptr")},
+                         ("eos", "write_state", "win_slot", "out_row"), (),
+                         dict(NGRAM=3, BLOCK_T=pn.BLOCK_T, BLOCK_W=2, PDL=True), {"num_warps": pn.NUM_WARPS}, unspecialised=("eos", "write_state"))
 json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16")} for name, p in built.items()}, sys.stdout)
 """
 
 
 def test_qwen4_exp_kernels_build_for_sm90():
-    """The grouped per-stream norm, the PLE gated value and the PLE dilated convolution compile for the
-    H200 at the real shapes; none contracts a bf16 product into a bf16 sum (no fma.rn.bf16)."""
+    """The grouped per-stream norm, the PLE n-gram columns, gated value and dilated convolution compile
+    for the H200 at the real shapes; none contracts a bf16 product into a bf16 sum (no fma.rn.bf16)."""
     built = json.loads(sm90_build.run(_QWEN4_BUILD))
-    assert set(built) == {"grouped_norm", "ple_gate", "ple_conv"} and all(p["ptx_chars"] > 0 for p in built.values())
+    assert set(built) == {"grouped_norm", "ple_gate", "ple_conv", "ple_ngram"} and all(p["ptx_chars"] > 0 for p in built.values())
     assert all(p["bf16_fma"] == 0 for p in built.values()), built

@@ -37,6 +37,7 @@ step that follows sees untouched state.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -138,6 +139,18 @@ class GraphStep:
     accepted_rows: torch.Tensor | None = None  # [B] int32: rows each sequence commits (VERIFY)
 
 
+@dataclass
+class StaticStep:
+    """A decode/verify step over static inputs: what a graph captures, runnable eagerly too."""
+
+    staging: _Staging  # the per-step inputs; load another step's groups, then call run
+    ctx: ForwardContext  # its tensors are staging's views (and the outputs' stash)
+    batch: SeqBatch  # its device tensors are fixed (starts, counts, row_seq) or staging's views
+    run: Callable[[], tuple]  # -> (hidden, layer_hidden, logits, result), as GraphStep names them
+    accepted_rows: torch.Tensor | None  # [B] int32: rows each sequence commits (VERIFY)
+    replay: SeqBatch | None  # the commit's batch: batch's rows cut to accepted_rows (VERIFY)
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """The batch sizes graphs are captured at: 1, 2, 4, then multiples of 8, the last one max_num_seqs."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
@@ -159,6 +172,11 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int, ForwardMode, bool], GraphStep] = {}
         self.pool = None
         self.last_tokens = torch.zeros(max(self.buckets), dtype=torch.int64, device=device)  # greedy one-row steps' next tokens, batch order
+
+    def covers(self, groups: list[RowGroup]) -> bool:
+        """Whether a graph may run these groups: any, unless the model's captured step cannot take rows of
+        image prompts (`graphs_cover_image_prompts` False: qwen4_exp with QSA) and one of them has images."""
+        return getattr(self.model, "graphs_cover_image_prompts", True) or all(g.images is None for g in groups)
 
     def bucket(self, num_seqs: int) -> int:
         """The captured batch size a batch of num_seqs requests runs at."""
@@ -203,7 +221,10 @@ class DecodeGraphs:
         entry.commit_graph.replay()
 
     # -- capture -------------------------------------------------------------------------------------
-    def _capture(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None) -> GraphStep:
+    def static_step(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None = None) -> StaticStep:
+        """The step of these (padded) groups over static inputs, as a graph captures it: its staging is
+        loaded with the groups, and `run` computes whatever step the staging holds when it is called
+        (a CPU test loads another step's groups and runs it eagerly)."""
         num_seqs, rows = len(groups), len(groups[0].token_ids)
         device = self.device
         staging = _Staging(num_seqs, rows, self.max_blocks, device)
@@ -237,6 +258,11 @@ class DecodeGraphs:
                 self.model.commit(ctx, replay)
             return hidden, layer_hidden, logits, result
 
+        return StaticStep(staging, ctx, batch, step, accepted_rows, replay)
+
+    def _capture(self, groups: list[RowGroup], mode: ForwardMode, greedy: bool, fed_back_rows: list[int] | None) -> GraphStep:
+        static = self.static_step(groups, mode, greedy, fed_back_rows)
+        staging, ctx, batch, step, accepted_rows, replay = static.staging, static.ctx, static.batch, static.run, static.accepted_rows, static.replay
         restore = self._saver(batch)
         graph, (hidden, layer_hidden, logits, result) = record_graph(step, self.pool, restore)
         self.pool = graph.pool()

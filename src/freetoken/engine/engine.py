@@ -82,6 +82,7 @@ class InFlightStep:
     next_tokens: torch.Tensor  # [B] int64 on the device; the eager path feeds the next step from it
     host_tokens: torch.Tensor  # [B] int64 on the host, filled by an asynchronous copy
     copied: torch.cuda.Event | None  # recorded behind that copy (None: host_tokens is already filled)
+    by_graph: bool = False  # replayed as a CUDA graph (its next tokens are also in DecodeGraphs.last_tokens)
 
     def tokens(self) -> list[int]:
         """The step's next tokens (waits for its copy, not for steps launched after it)."""
@@ -235,7 +236,7 @@ class LLMEngine:
         k = self.spec.num_draft_tokens
         mode = ForwardMode.VERIFY if k > 0 else ForwardMode.EXTEND
         greedy = all(r.params.is_plain_greedy for r in requests)
-        if self.graphs is not None:
+        if self.graphs is not None and self.graphs.covers(groups):
             step = self.graphs.run(groups, mode, greedy)  # outputs of padding rows follow the requests' rows
             rows = len(requests) * (k + 1)
             layer_hidden = None if step.layer_hidden is None else step.layer_hidden[:rows]
@@ -343,7 +344,9 @@ class LLMEngine:
         if after is not None:
             row_of = {id(r): i for i, r in enumerate(after.requests)}
             fed_back_rows = [row_of[id(r)] for r in requests]
-        if self.graphs is not None:
+        # a graph takes fed-back tokens from last_tokens, which only a graph step writes
+        by_graph = self.graphs is not None and self.graphs.covers(groups) and (after is None or after.by_graph)
+        if by_graph:
             next_tokens = self.graphs.run(groups, ForwardMode.EXTEND, greedy=True, fed_back_rows=fed_back_rows).result[1, : len(requests)]
         else:
             ctx = build_context(groups, ForwardMode.EXTEND, self.kv_pool, self.state_pool, self.device)
@@ -358,7 +361,7 @@ class LLMEngine:
             host_tokens.copy_(next_tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        launched = InFlightStep(requests, [len(r.output_token_ids) for r in requests], next_tokens, host_tokens, copied)
+        launched = InFlightStep(requests, [len(r.output_token_ids) for r in requests], next_tokens, host_tokens, copied, by_graph)
         for request in requests:
             request.output_token_ids.append(PENDING)
             request.num_cached_tokens += 1

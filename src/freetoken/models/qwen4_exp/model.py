@@ -20,19 +20,29 @@ FREETOKEN_KERNELS=triton) these run on Triton: the embedding, every linear (hype
 injections, PLE key/value, GDN, attention, indexer and MoE projections, lm_head), the norms (the
 grouped per-stream norms of the hyper-connections and PLE, the MTP's pre-fc norms, q/k and indexer
 norms), the GDN layer (convolution, recurrence with its fused input preparation, chunked prefill, the
-sigmoid-gated norm), the MoE routing and experts, the PLE gated value with its norm and its dilated
-causal convolution, and QSA's block selection and sparse attention (qsa.py, `kernels.qsa_select` /
-`kernels.qsa_attention`). Torch on every device: the hyper-connections' elementwise ops (sigmoid and
-silu gates, the mean over the streams, the injection: each element alone, so row-invariant), RoPE and
-the K/V store of the attention (qsa.py, rope.py), the PLE n-gram hash (integer ops) and its windows'
-bookkeeping.
+sigmoid-gated norm), the MoE routing and experts, the PLE n-gram token columns with their id windows,
+its gated value with its norm and its dilated causal convolution, and QSA's block selection and
+sparse attention (qsa.py, `kernels.qsa_select` / `kernels.qsa_attention`). Torch on every device: the
+hyper-connections' elementwise ops (sigmoid and silu gates, the mean over the streams, the injection:
+each element alone, so row-invariant), RoPE and the K/V store of the attention (qsa.py, rope.py), and
+the PLE n-gram hash (integer ops).
 
-CUDA graphs stay off (`supports_cuda_graphs`): the PLE layer builds each sequence's n-gram ids and
-commits its windows in host loops over the sequences, its convolution copies the rows' cached lengths
-to the device on every call, and capturing this family was never tried. No tensor parallelism.
+CUDA graphs (`supports_cuda_graphs`) are behind a switch: FREETOKEN_QWEN4_GRAPHS=1 (`CUDA_GRAPHS`,
+read once at import) lets the engine capture the decode and verify steps, the commit and the MTP
+draft loop (engine/cuda_graph.py, spec/mtp/draft_graph.py). It is off by default because no capture
+has run on a GPU yet: tests/engine/test_cuda_graph_qwen4_exp.py checks graphs against eager there, and
+tests/kernels/test_qwen4_exp_static_step.py runs the step over static inputs on CPU. Nothing in the forward or the commit waits on the host:
+the PLE kernels read the step's layout from the batch's device tensors (starts, counts, state slots,
+cached lengths; the graphs stage them per step), the commit replays the accepted rows through the
+same kernels, and the RoPE frequencies and the hash's primes and offsets are copied to the device
+once, by the eager steps before any capture. Rows of image prompts run eagerly beside the graphs
+(`graphs_cover_image_prompts`): QSA pools its block keys at each sequence's mRoPE positions, which
+`qsa.block_rope` reads on the host. No tensor parallelism.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -48,6 +58,11 @@ from freetoken.models.qwen4_exp.hyper_connection import GatedResidual, inject
 from freetoken.models.qwen4_exp.ple import PLELayer, ple_state_specs
 from freetoken.models.qwen4_exp.qsa import QSAAttention
 from freetoken.models.qwen4_exp.rope import Rotary
+
+
+# Capture this family's steps in CUDA graphs (FREETOKEN_QWEN4_GRAPHS=1; read once, like kernels.MODE).
+# Off by default until the GPU tests (tests/engine/test_cuda_graph_qwen4_exp.py) have passed.
+CUDA_GRAPHS = os.environ.get("FREETOKEN_QWEN4_GRAPHS", "0") == "1"
 
 
 def hyper_connection(cfg: Qwen4ExpConfig, inject_output: bool = True) -> GatedResidual:
@@ -107,8 +122,6 @@ class Qwen4ExpModel(nn.Module):
 class Qwen4ExpForCausalLM(nn.Module):
     """The target: forward() -> the wide residual [N, S*H], compute_logits() -> fp32 logits."""
 
-    supports_cuda_graphs = False  # the PLE layer's host loops (module docstring)
-
     def __init__(self, cfg: Qwen4ExpConfig, with_mtp: bool):
         super().__init__()
         from freetoken.models.qwen4_exp.mtp import Qwen4ExpMTP
@@ -122,6 +135,24 @@ class Qwen4ExpForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = Qwen4ExpMTP(cfg, self, kv_index=len(cfg.full_attention_layers), rotary=self.rotary) if with_mtp else None
         self.attached_drafts: dict[str, nn.Module] = {}
+        self._graphs_allowed = True  # False once something with host work per step is attached (expert offload)
+
+    # -- CUDA graphs ---------------------------------------------------------------------------------
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether the engine may capture the decode/verify steps and the MTP draft loop in CUDA graphs:
+        with the switch on (`CUDA_GRAPHS`) and unless it was turned off (the expert offload assigns False)."""
+        return CUDA_GRAPHS and self._graphs_allowed
+
+    @supports_cuda_graphs.setter
+    def supports_cuda_graphs(self, allowed: bool) -> None:
+        self._graphs_allowed = bool(allowed)
+
+    @property
+    def graphs_cover_image_prompts(self) -> bool:
+        """Whether a captured step may run rows of image prompts: not with QSA, whose pooled block keys
+        take each sequence's mRoPE positions from the host (qsa.block_rope), which a capture would freeze."""
+        return not self.config.uses_qsa
 
     # -- what the runtime needs to size its pools -------------------------------------------------
     @property
