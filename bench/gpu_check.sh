@@ -39,11 +39,14 @@ for draft in dflash dflash2; do
     rm -rf "$tmp"
 done
 
-# qwen4_exp (Qwen3.8-Flash-Next) with its MTP head: the torch reference kernels on CUDA, no graphs
+# qwen4_exp (Qwen3.8-Flash-Next) with its MTP head on the Triton kernels: CUDA graphs off (the default),
+# then on (FREETOKEN_QWEN4_GRAPHS=1: decode, verify, commit and the MTP draft loop captured)
 tmp=$(mktemp -d)
 freetoken convert "$FIXTURES/qwen4_exp/hf" "$tmp/qwen4_exp" > /dev/null
 freetoken parity "$tmp/qwen4_exp" --device cuda --dtype bfloat16 -k 1 -k 2 -k 3 -n 32 --json "$OUT/parity-gpu-bf16-qwen4_exp.json" > "$OUT/parity-qwen4_exp.log" 2>&1
 echo "# freetoken parity qwen4_exp (commit $commit): exit $?" >> "$OUT/parity-qwen4_exp.log"
+FREETOKEN_QWEN4_GRAPHS=1 freetoken parity "$tmp/qwen4_exp" --device cuda --dtype bfloat16 -k 1 -k 2 -k 3 -n 32 --json "$OUT/parity-gpu-bf16-qwen4_exp-graphs.json" > "$OUT/parity-qwen4_exp-graphs.log" 2>&1
+echo "# FREETOKEN_QWEN4_GRAPHS=1 freetoken parity qwen4_exp (commit $commit): exit $?" >> "$OUT/parity-qwen4_exp-graphs.log"
 rm -rf "$tmp"
 
 # 256 new tokens: 64 verify steps at full acceptance (at 64 tokens, 16 steps moved the speedup a few
