@@ -14,9 +14,9 @@ the tail are the keys the query attends to (all of them while n <= budget + c - 
 is the gated attention of layers/attention.py with that key set instead of the causal prefix.
 
 Selection and attention are `kernels.qsa_select` / `kernels.qsa_attention` (Triton, or the torch
-reference kernels/qsa_ref.py, which also states the tie order). Both take the step's batch layout
-and compute every row alone, so a row gets the same bits in a prefill chunk, a decode step or a
-verify block. The cos/sin of every block's first position are built once per forward (`block_rope`).
+reference kernels/qsa_ref.py, which also states the tie order and the attention's partitions and
+roundings). Both take the step's batch layout and compute every row alone, so a row gets the same
+bits in a prefill chunk, a decode step or a verify block. The cos/sin of every block's first position are built once per forward (`block_rope`).
 """
 
 from __future__ import annotations
