@@ -5,14 +5,14 @@ For each context (default 2k, 8k, 32k keys) and row count (1: a decode step; k +
 times, inside a CUDA graph of back-to-back calls over LAYERS layers' caches (so L2 holds none of them),
 `qsa_select`, `qsa_attention` with the selection's blocks, and the two together, for the working
 tree's kernels (qsa_select_triton, qsa_attention_triton; each `--partitions` value of
-qsa_ref.PARTITION) and for the same two modules as of `--baseline` (read from git into a temporary
+qsa_ref.PARTITION and each `--select-chunks` value of qsa_select_triton.SELECT_CHUNK) and for the same two modules as of `--baseline` (read from git into a temporary
 folder). The shapes are qwen4_exp's: 4 indexer heads of 128 (rotary 64), blocks of 4 tokens, a
 budget of 2048 keys; 24 query heads and 2 KV heads of 256; pages of 16 tokens, one sequence whose
 block table is as wide as its context. Each record has the bytes a call must read and their time at
 the measured copy bandwidth (the floor), and the new attention's largest difference from the
 baseline's on the same blocks.
 
-    python bench/qsa_speed.py [--contexts 2048 8192 32768] [-k 3] [--baseline cd33797] [--partitions 32 64]
+    python bench/qsa_speed.py [--contexts 2048 8192 32768] [-k 3] [--baseline cd33797] [--partitions 32 64] [--select-chunks 1024 4096]
 
 Writes bench/results/qsa_speed-<commit>-<gpu>.json (command, commit, GPU, date, results).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import re
 import subprocess
@@ -110,13 +111,14 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=3, help="draft tokens: a verify block has k + 1 rows")
     ap.add_argument("--baseline", default="cd33797", help="git revision of the baseline kernels (cd33797: one attention program per (row, KV head), 31-pass select)")
     ap.add_argument("--partitions", type=int, nargs="+", default=[qsa_ref.PARTITION], help="qsa_ref.PARTITION values to time")
+    ap.add_argument("--select-chunks", type=int, nargs="+", default=[qsa_select_triton.SELECT_CHUNK], help="qsa_select_triton.SELECT_CHUNK values to time")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     env = environment()
     bw = copy_bandwidth()
     env["copy_bandwidth_bytes_per_s"] = bw
     print(json.dumps(env), flush=True)
-    shipped = qsa_ref.PARTITION
+    shipped = (qsa_ref.PARTITION, qsa_select_triton.SELECT_CHUNK)
     records = []
     with tempfile.TemporaryDirectory() as folder:
         old = baseline_modules(args.baseline, Path(folder))
@@ -127,17 +129,17 @@ def main() -> None:
                 floor = {name: round(b / bw * 1e6, 2) for name, b in floor_bytes(context, rows).items()}
                 base_us, base_out, chosen = time_kernels(old["qsa_select_triton"], old["qsa_attention_triton"], layers)
                 runs = [("baseline " + args.baseline, None, base_us, base_out, chosen)]
-                for partition in args.partitions:
-                    qsa_ref.PARTITION = partition
+                for tiles in itertools.product(args.partitions, args.select_chunks):
+                    qsa_ref.PARTITION, qsa_select_triton.SELECT_CHUNK = tiles
                     us, out, new_chosen = time_kernels(qsa_select_triton, qsa_attention_triton, layers)
-                    runs.append(("working tree", partition, us, out, new_chosen))
-                qsa_ref.PARTITION = shipped
-                for kernels, partition, us, out, sel in runs:
-                    record = {"kernels": kernels, "partition": partition, "context": context, "rows": rows,
+                    runs.append(("working tree", tiles, us, out, new_chosen))
+                qsa_ref.PARTITION, qsa_select_triton.SELECT_CHUNK = shipped
+                for kernels, tiles, us, out, sel in runs:
+                    record = {"kernels": kernels, "partition": tiles and tiles[0], "select_chunk": tiles and tiles[1], "context": context, "rows": rows,
                               "us_per_layer": {name: round(v, 2) for name, v in us.items()}, "floor_us": floor,
                               "attention_max_abs_diff_vs_baseline": float((out.float() - base_out.float()).abs().max()),
                               "same_selection_as_baseline": all(torch.equal(a[0], b[0]) for a, b in zip(sel, chosen)),
-                              "shipped": partition in (None, shipped)}
+                              "shipped": tiles in (None, shipped)}
                     records.append(record)
                     print(json.dumps(record), flush=True)
     gpu = env["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
