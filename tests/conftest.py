@@ -236,6 +236,17 @@ def run_rows(model, ids: list[int], *, block_size: int = 16):
     return model(ctx), engine, table
 
 
+def open_seqs(engine, prompts: list[list[int]], extra: int) -> list[tuple[list[int], int, list[int]]]:
+    """One (block table, state slot, prompt) per prompt in the engine's pools, the table grown to the
+    prompt's length + extra tokens."""
+    seqs = []
+    for ids in prompts:
+        table: list[int] = []
+        engine.kv_pool.grow(table, len(ids) + extra)
+        seqs.append((table, engine.state_pool.allocate(), ids))
+    return seqs
+
+
 @torch.no_grad()
 def our_mtp_logits(model, ids: list[int]) -> torch.Tensor:
     """Target rows, then every pair (h_t, x_{t+1}) through the MTP head as one sequence -> [T-1, V]."""

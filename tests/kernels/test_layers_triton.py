@@ -27,7 +27,7 @@ from freetoken.models.loader import load_model  # noqa: E402
 from freetoken.models.qwen3_5.config import Qwen35Config  # noqa: E402
 from freetoken.models.qwen3_5.weights import canonical_name  # noqa: E402
 
-from tests.conftest import FIXTURES  # noqa: E402
+from tests.conftest import FIXTURES, open_seqs  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICES = [
@@ -47,15 +47,6 @@ def load(name: str, dtype: torch.dtype, device: str):
     sd = {canonical_name(k): v for k, v in load_file(root / "model.safetensors").items()}
     model = load_model(sd, "qwen3_5", cfg.to_dict(), with_mtp=False, dtype=dtype, device=device)
     return model, LLMEngine(model, EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=4, block_size=4, max_model_len=64))
-
-
-def open_seqs(engine, prompts, extra):
-    seqs = []
-    for ids in prompts:
-        table = []
-        engine.kv_pool.grow(table, len(ids) + extra)
-        seqs.append((table, engine.state_pool.allocate(), ids))
-    return seqs
 
 
 def forward(model, engine, seqs, starts, rows, mode):

@@ -27,7 +27,7 @@ from freetoken.engine.runner import RowGroup, build_context  # noqa: E402
 from freetoken.forward_context import ForwardMode  # noqa: E402
 from freetoken.models.loader import load_model  # noqa: E402
 
-from tests.conftest import fixture_refs, num_sequences  # noqa: E402
+from tests.conftest import fixture_refs, num_sequences, open_seqs  # noqa: E402
 from tests.kernels.conftest import DEVICES  # noqa: E402
 
 MODEL = "qwen4_exp"
@@ -44,15 +44,6 @@ def load(path, dtype: torch.dtype, device: str):
     model = load_model(ck, ck.family, ck.config, with_mtp=False, dtype=dtype, device=device)
     config = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), max_num_seqs=4, block_size=4, max_model_len=64)
     return model, LLMEngine(model, config)
-
-
-def open_seqs(engine, prompts, extra):
-    seqs = []
-    for ids in prompts:
-        table = []
-        engine.kv_pool.grow(table, len(ids) + extra)
-        seqs.append((table, engine.state_pool.allocate(), ids))
-    return seqs
 
 
 def forward(model, engine, seqs, starts, rows, mode):
