@@ -28,6 +28,15 @@ def ptx(kernel, signature: dict[str, str], constants: dict, options: dict, divis
     return compile(source, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
 
 
+
+def ptx_of(kernel, pointers: dict[str, str], ints: tuple[str, ...], floats: tuple[str, ...], constants: dict, options: dict,
+           unspecialised: tuple[str, ...] = ()) -> str:
+    """`ptx` with the signature given as pointer types, i32 and fp32 argument names and the constexprs;
+    every integer argument but the `unspecialised` ones is taken as a multiple of 16."""
+    signature = dict(pointers) | {name: "i32" for name in ints} | {name: "fp32" for name in floats} | {name: "constexpr" for name in constants}
+    divisible = tuple(n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in unspecialised)
+    return ptx(kernel, signature, constants, options, divisible)
+
 def run(script: str) -> str:
     """The standard output of a Python `script` run with TRITON_INTERPRET=0 (it may import this module)."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

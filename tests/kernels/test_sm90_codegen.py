@@ -128,10 +128,7 @@ import triton
 from freetoken.kernels import qsa_attention_triton as qa, qsa_ref as qr, qsa_select_triton as qs
 from tests.kernels import sm90_build
 
-def ptx(kernel, pointers, ints, floats, constants, options, unspecialised=()):
-    signature = dict(pointers) | {name: "i32" for name in ints} | {name: "fp32" for name in floats} | {name: "constexpr" for name in constants}
-    divisible = tuple(n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in unspecialised)
-    return sm90_build.ptx(kernel, signature, constants, options, divisible)
+ptx = sm90_build.ptx_of
 
 # QSA (qwen4_exp's real shapes: 4 indexer heads of 128, rotary 64, blocks of 4, budget 2048; 12 query heads per KV head of 256)
 built = {}
@@ -179,10 +176,7 @@ import json, sys
 from freetoken.kernels import dilated_conv_triton as dc, norm_triton, ple_gate_triton as pg, ple_ngram_triton as pn
 from tests.kernels import sm90_build
 
-def ptx(kernel, pointers, ints, floats, constants, options, unspecialised=()):
-    signature = dict(pointers) | {name: "i32" for name in ints} | {name: "fp32" for name in floats} | {name: "constexpr" for name in constants}
-    divisible = tuple(n for n in signature if signature[n] not in ("constexpr", "fp32") and n not in unspecialised)
-    return sm90_build.ptx(kernel, signature, constants, options, divisible)
+ptx = sm90_build.ptx_of
 
 # qwen4_exp's real shapes: 4 streams of 2560, PLE conv of 4 taps at dilation 3 over 10240 channels
 built = {}
