@@ -1,10 +1,11 @@
 """Decode benchmarks on random-weight models of real shapes (no download needed), or on a checkpoint.
 
 `run_bench` times prefill and decode separately and reports decode tokens/s next to the
-memory-bandwidth floor of a decode step: every active weight byte read once, plus the KV cache and
-the GDN state (read and written), over the measured copy bandwidth of the GPU. Under tensor
-parallelism (`parallel`) each rank holds its shard; the weights are drawn whole, in the same order,
-so every degree runs the same model, and the floor is that of one rank's bytes.
+memory-bandwidth floor of a decode step (bench_floor.py: every active weight byte read once, plus
+the KV rows attended, the indexer keys and the linear state read and written), over the measured
+copy bandwidth of the GPU. The shapes and how a run cuts one down (`layers`) are in bench_shapes.py.
+Under tensor parallelism (`parallel`) each rank holds its shard; the weights are drawn whole, in the
+same order, so every degree runs the same model, and the floor is that of one rank's bytes.
 """
 
 from __future__ import annotations
@@ -24,43 +25,14 @@ from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.engine.config import EngineConfig
 from freetoken.layers.offload_config import ExpertOffloadConfig
 from freetoken.models.expert_offload import weight_memory
+from freetoken.bench_floor import decode_floor_parts, layer_counts, meta_model, ngram_table_rows
+from freetoken.bench_shapes import DFLASH_SHAPES, SHAPES, BenchConfig, bench_config, family_of
 from freetoken.models.qwen3_5.config import Qwen35Config
 from freetoken.sampling import SamplingParams
 
 H200_COPY_BANDWIDTH = 4.25e12  # bytes/s, measured device-to-device copy on this H200 (DESIGN.md)
 
-_GDN = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
-SHAPES: dict[str, Qwen35Config] = {
-    "qwen3.5-9b": Qwen35Config(
-        vocab_size=248320, hidden_size=4096, num_hidden_layers=32,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)),
-        num_attention_heads=16, num_key_value_heads=4, head_dim=256, intermediate_size=12288,
-        mtp_num_hidden_layers=1, eos_token_ids=(248044,), **_GDN,
-    ),
-    "tiny": Qwen35Config(  # for smoke tests of the benchmark itself
-        vocab_size=512, hidden_size=64, num_hidden_layers=4,
-        layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        intermediate_size=128, mtp_num_hidden_layers=1, eos_token_ids=(511,),
-    ),
-    "qwen3.5-35b-a3b": Qwen35Config(
-        vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)),
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, mtp_num_hidden_layers=1,
-        eos_token_ids=(248044,), model_type="qwen3_5_moe", **_GDN,
-    ),
-}
 
-
-# DFlash drafts of published shapes for the bench targets (shared/reference/dflash.md §1.1): as
-# z-lab/Qwen3-8B-DFlash-b16 (hidden 4096) and z-lab/Qwen3.6-35B-A3B-DFlash (April; hidden 2048);
-# block 16, full bidirectional attention, taps spread over the target's layers.
-DFLASH_SHAPES: dict[str, dict] = {
-    "qwen3.5-9b": dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288),
-    "qwen3.5-35b-a3b": dict(num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144),
-    "tiny": dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128),
-}
 DFLASH_BLOCK_SIZE = 16
 
 
@@ -89,12 +61,12 @@ def random_dflash_draft(shape: str, cfg: Qwen35Config, device: str, dtype: torch
 
 
 @torch.no_grad()
-def random_model(cfg: Qwen35Config, device: str, dtype: torch.dtype, with_mtp: bool, seed: int = 0, parallel: ParallelContext = SINGLE):
-    """A model of cfg's shape with seeded random weights of sensible scale (no branch is an identity)."""
+def random_model(cfg: BenchConfig, device: str, dtype: torch.dtype, with_mtp: bool, seed: int = 0, parallel: ParallelContext = SINGLE):
+    """A model of cfg's shape (its family's) with seeded random weights of sensible scale (no branch is an identity)."""
     from freetoken.distributed.sharding import read_shard, shard_spec_of
     from freetoken.models.loader import build_empty
 
-    model = build_empty("qwen3_5", cfg.to_dict(), with_mtp=with_mtp, device=device, dtype=dtype, parallel=parallel)
+    model = build_empty(family_of(cfg), cfg.to_dict(), with_mtp=with_mtp, device=device, dtype=dtype, parallel=parallel)
     full_shapes = {}
     if parallel.is_parallel:
         from freetoken.models.qwen3_5.model import Qwen35ForCausalLM
@@ -125,26 +97,6 @@ def _fill(name: str, p: torch.Tensor, gen: torch.Generator, device: str) -> None
         p.normal_(0.0, 0.3, generator=gen)
     else:
         p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-
-
-def decode_floor_bytes(model: torch.nn.Module, cfg: Qwen35Config, batch_size: int, context_len: int, dtype_bytes: int) -> int:
-    """Bytes a decode step must move at least: active weights once, KV read, GDN state read and written."""
-    weights = 0
-    for name, p in model.named_parameters():
-        if name.startswith("mtp."):
-            continue
-        if name == "model.embed_tokens.weight":
-            weights += batch_size * p.shape[1] * p.element_size() + (p.numel() * p.element_size() if cfg.tie_word_embeddings else 0)
-        elif ".mlp.experts." in name:
-            active = min(cfg.num_experts, batch_size * cfg.num_experts_per_tok)
-            weights += p.numel() * p.element_size() * active // cfg.num_experts
-        else:
-            weights += p.numel() * p.element_size()
-    kv_heads, _ = model.kv_head_shape  # this rank's
-    _, _, (value_heads, _, _) = model.linear_state_shapes
-    kv = len(cfg.full_attention_layers) * batch_size * context_len * kv_heads * cfg.head_dim * 2 * dtype_bytes
-    state = len(cfg.linear_attention_layers) * batch_size * value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4 * 2
-    return weights + kv + state
 
 
 @dataclass
@@ -179,6 +131,13 @@ class BenchResult:
     expert_offload: str = "none"  # none | cache | hybrid (layers/offload_config.py)
     resident_weight_bytes: int | None = None  # weights on the device (models/expert_offload.weight_memory)
     offloaded_weight_bytes: int | None = None  # routed experts in host memory
+    layers: int | None = None  # decoder layers of the benched model
+    full_depth_layers: int | None = None  # decoder layers of the shape (or checkpoint) at its real depth
+    floor_parts: dict[str, int] | None = None  # floor_bytes_per_step by `<kind>.<part>` (bench_floor.py)
+    floor_layer_counts: dict[str, int] | None = None  # layers of each kind in the benched model
+    floor_bytes_full_depth: int | None = None  # the same floor counted at the real depth (bench_floor.full_depth_floor)
+    ple_table_rows: int | None = None  # rows of the benched n-gram table per PLE layer (a lookup reads one per head and token)
+    ple_table_rows_full: int | None = None  # rows of the real table
 
 
 def graph_forward_ms(engine, rows_per_request: int, repeats: int = 50) -> float | None:
@@ -250,11 +209,12 @@ def _timed_generate(engine, prompts: list[list[int]], params: SamplingParams, de
 def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size: int = 1, prompt_len: int = 512, new_tokens: int = 64, spec: str = "none",
               num_draft_tokens: int = 0, corrupt_rates: tuple[float, ...] = (0.0,), device: str = "cuda", dtype: str = "bfloat16", seed: int = 0,
               parallel: ParallelContext = SINGLE, cuda_graphs: bool = True, mem_fraction: float = 0.0,
-              expert_offload: ExpertOffloadConfig | None = None) -> list[BenchResult]:
+              expert_offload: ExpertOffloadConfig | None = None, layers: int | None = None) -> list[BenchResult]:
     """The no-spec run, then (if spec != none) the spec run(s) on the same model and prompts (on this rank).
 
-    The model is a random-weight model of a bench shape, or (given `model`) a checkpoint's; the
-    prompts are seeded random token ids either way."""
+    The model is a random-weight model of a bench shape (its first `layers` decoder layers, all when
+    None; bench_shapes.bench_config), or (given `model`) a checkpoint's; the prompts are seeded
+    random token ids either way."""
     from freetoken.engine.engine import LLMEngine
 
     if parallel.is_parallel and device.startswith("cuda"):
@@ -268,7 +228,7 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
 
         raise FreetokenError("--expert-offload needs MODEL (a checkpoint whose experts are read from disk), not --shape")
     if model is None:
-        cfg = SHAPES[shape]
+        full_cfg, cfg = SHAPES[shape], bench_config(shape, layers)
         model = random_model(cfg, device, base_config.torch_dtype, with_mtp=spec == "mtp", seed=seed, parallel=parallel)
         if spec == "dflash-oracle":
             model.attached_drafts["dflash"] = random_dflash_draft(shape, cfg, device, base_config.torch_dtype, seed)
@@ -277,12 +237,16 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
 
         shape = Path(str(model)).name
         model = LLM(model, replace(base_config, spec=spec, num_draft_tokens=num_draft_tokens), parallel=parallel).model
-        cfg = model.config
+        cfg = full_cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size - 16, (prompt_len,), generator=gen).tolist() for _ in range(batch_size)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    floor = decode_floor_bytes(model, cfg, batch_size, prompt_len + new_tokens // 2, base_config.torch_dtype.itemsize)
+    context_len = prompt_len + new_tokens // 2
+    floor_parts = decode_floor_parts(model, cfg, batch_size, context_len, base_config.torch_dtype.itemsize)
+    floor = sum(floor_parts.values())
     floor_step = floor / H200_COPY_BANDWIDTH
+    full_model = model if full_cfg is cfg else meta_model(full_cfg, family_of(full_cfg), base_config.torch_dtype, parallel)
+    floor_full_depth = sum(decode_floor_parts(full_model, full_cfg, batch_size, context_len, base_config.torch_dtype.itemsize).values())
     memory = weight_memory(model)
     kernels = os.environ.get("FREETOKEN_KERNELS", "auto")
 
@@ -298,6 +262,8 @@ def run_bench(shape: str | None, *, model: str | Path | None = None, batch_size:
             (1000 * floor_step) / step_ms if step_ms else 0.0,
             tps / base.decode_tokens_per_s if base else None, step_ms / base.step_ms if base else None, kernels, parallel.world_size,
             engine.graphs is not None, expert_offload=offload.mode, resident_weight_bytes=memory.resident_bytes, offloaded_weight_bytes=memory.offloaded_bytes,
+            layers=cfg.num_hidden_layers, full_depth_layers=full_cfg.num_hidden_layers, floor_parts=floor_parts, floor_layer_counts=layer_counts(cfg),
+            floor_bytes_full_depth=floor_full_depth, ple_table_rows=ngram_table_rows(model), ple_table_rows_full=ngram_table_rows(full_model),
         )
 
     engine = LLMEngine(model, base_config)
