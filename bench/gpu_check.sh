@@ -54,3 +54,23 @@ rm -rf "$tmp"
 freetoken bench --shape qwen3.5-9b -b 1 --spec oracle -k 3 --corrupt-rate 0 --corrupt-rate 0.3 --new-tokens 256 --out "$OUT/qwen3.5-9b-b1-oracle-k3.json"
 freetoken bench --shape qwen3.5-9b -b 8 -b 64 --out "$OUT/qwen3.5-9b-b8-b64.json"
 freetoken bench --shape qwen3.5-35b-a3b -b 1 --out "$OUT/qwen3.5-35b-a3b-b1.json"
+
+# qwen3.8-flash-next (qwen4_exp), random weights, its first 8 of 48 layers (6 GDN, 2 QSA, the PLE
+# layer): 45.9 GiB of bf16 weights with the bench's 16 M-row n-gram table, 50.7 GiB with the MTP head,
+# which fits an H100's ~78 GiB as well as an H200's ~139 GiB with room for the pools and activations
+# (--layers 16 would be 89.3 GiB: H200 only). Prompts of 4096 tokens, so QSA attends 2048 keys and the
+# tail of a longer context. Eager, then with FREETOKEN_QWEN4_GRAPHS=1 (decode, verify, commit and the
+# MTP draft loop in CUDA graphs); each JSON records whether graphs ran (`cuda_graphs`) and the floor
+# at full depth (`floor_bytes_full_depth`).
+flash_bench() {  # FREETOKEN_QWEN4_GRAPHS value, run name, bench options
+    local graphs=$1 name=$2 log="$OUT/qwen3.8-flash-next-graphs$1.log"; shift 2
+    local run="freetoken bench --shape qwen3.8-flash-next --layers 8 --prompt-len 4096 $*"
+    FREETOKEN_QWEN4_GRAPHS=$graphs $run --out "$OUT/qwen3.8-flash-next-L8-$name-graphs$graphs.json" >> "$log" 2>&1
+    echo "# FREETOKEN_QWEN4_GRAPHS=$graphs $run (commit $commit): exit $?" >> "$log"
+}
+for graphs in 0 1; do
+    : > "$OUT/qwen3.8-flash-next-graphs$graphs.log"
+    flash_bench $graphs b1-b8 -b 1 -b 8
+    flash_bench $graphs b1-b8-oracle-k3 -b 1 -b 8 --spec oracle -k 3 --corrupt-rate 0 --corrupt-rate 0.3 --new-tokens 256
+    flash_bench $graphs b1-mtp-k3 -b 1 --spec mtp -k 3
+done
