@@ -1,7 +1,8 @@
 """QSA's Triton selection and sparse attention vs the torch reference (kernels/qsa_ref.py): equal
-selections, attention within fp32 rounding, the documented tie order on a hand case, and each row
-alone (a decode step) equal, bit for bit, to the same row in a batch (a verify block, a prefill chunk,
-next to other sequences); through the model's Indexer too (Triton path = torch path)."""
+selections, attention (with its sigmoid output gate) within fp32 rounding, the documented tie order
+on a hand case, and each row alone (a decode step) equal, bit for bit, to the same row in a batch (a
+verify block, a prefill chunk, next to other sequences); through the model's Indexer too (Triton
+path = torch path)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from tests.kernels.conftest import DEVICES, INTERPRET  # noqa: E402
 
-from freetoken.kernels import qsa_attention_triton, qsa_ref, qsa_select_triton  # noqa: E402
+from freetoken.kernels import activation_ref, qsa_attention_triton, qsa_ref, qsa_select_triton  # noqa: E402
 from freetoken.kernels.attention_ref import token_slots  # noqa: E402
 from freetoken.kernels.batched import SeqBatch  # noqa: E402
 
@@ -66,9 +67,16 @@ def tiles(request, monkeypatch):
     return request.param
 
 
-def attention(impl, qkv, ids, counts, batch):
+def attention(impl, qkv, ids, counts, batch, gate=None):
     q, k_cache, v_cache = qkv
-    return impl.qsa_attention(q, k_cache, v_cache, ids, counts, batch, PAGE, RATIO, q.shape[-1] ** -0.5)
+    return impl.qsa_attention(q, k_cache, v_cache, ids, counts, batch, PAGE, RATIO, q.shape[-1] ** -0.5, gate)
+
+
+def output_gate(q: torch.Tensor, seed: int) -> torch.Tensor:
+    """A gate [N, Hq, D] laid out as the model's: the second half of each head's [query | gate] projection."""
+    gen = torch.Generator().manual_seed(seed)
+    q_gate = (2 * torch.randn(*q.shape[:2], 2 * q.shape[2], generator=gen)).to(q.dtype).to(q.device)
+    return q_gate[..., q.shape[2] :]
 
 
 def alone(args, row, seq, j):
@@ -112,8 +120,9 @@ def test_selection_and_attention_match_reference(device, dtype, tiles):
     else:
         assert_equal_but_for_rounding_ties(ids, want_ids, args)
     assert (counts < torch.tensor([c // RATIO for c in args["batch"].context_lens.tolist()], device=device)).any(), "some rows select"
-    got = attention(qsa_attention_triton, qkv, ids, counts, args["batch"])
-    want = attention(qsa_ref, qkv, ids, counts, args["batch"])
+    gate = output_gate(qkv[0], 5)
+    got = attention(qsa_attention_triton, qkv, ids, counts, args["batch"], gate)
+    want = attention(qsa_ref, qkv, ids, counts, args["batch"], gate)
     tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
@@ -127,14 +136,15 @@ def test_rows_alone_equal_rows_in_batch(device, dtype, tiles):
     args, qkv = setup(device, dtype, num_rows, num_cached, dims, seed=1)
     batch = args["batch"]
     ids, counts = qsa_select_triton.qsa_select(**args)
-    full = attention(qsa_attention_triton, qkv, ids, counts, batch)
+    gate = output_gate(qkv[0], 6)
+    full = attention(qsa_attention_triton, qkv, ids, counts, batch, gate)
     for seq in range(batch.num_seqs):
         for j in sorted({0, batch.num_rows[seq] - 1} if device == "cpu" else range(batch.num_rows[seq])):
             row = batch.row_starts[seq] + j
             one = alone(args, row, seq, j)
             one_ids, one_counts = qsa_select_triton.qsa_select(**one)
             assert torch.equal(one_ids[0], ids[row]) and torch.equal(one_counts[0], counts[row]), (seq, j)
-            out = attention(qsa_attention_triton, (qkv[0][row : row + 1], *qkv[1:]), one_ids, one_counts, one["batch"])
+            out = attention(qsa_attention_triton, (qkv[0][row : row + 1], *qkv[1:]), one_ids, one_counts, one["batch"], gate[row : row + 1])
             assert torch.equal(out[0], full[row]), (seq, j)
 
 
@@ -248,6 +258,20 @@ def test_radix_select_keeps_the_sorted_order_on_crafted_keys(device):
     for r in range(n):
         assert ids[r].tolist() == qsa_ref.top_blocks_of(keys[r].cpu(), keep).tolist(), r
     assert counts.tolist() == [keep] * n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_gate_is_the_product_it_replaced(dtype):
+    """qsa_ref's gated output equals, bit for bit, the ungated output times activation_ref's sigmoid of
+    the gate, the product in the output dtype (the multiply that followed the attention in qsa.py)."""
+    num_rows, num_cached, dims = case("cpu")
+    args, qkv = setup("cpu", dtype, num_rows, num_cached, dims, seed=7)
+    ids, counts = qsa_ref.qsa_select(**args)
+    gate = output_gate(qkv[0], 8)
+    plain = attention(qsa_ref, qkv, ids, counts, args["batch"])
+    n = plain.shape[0]
+    want = plain * activation_ref.sigmoid(gate.reshape(n, -1)).view_as(gate)
+    assert torch.equal(attention(qsa_ref, qkv, ids, counts, args["batch"], gate), want)
 
 
 def test_reference_attention_equals_one_softmax_over_the_key_list(monkeypatch):

@@ -147,10 +147,10 @@ built["qsa_partition"] = ptx(qa._partition_kernel, {n: "*bf16" for n in ("q_ptr"
                              ("G", "D", "page_size", "num_parts", "row0", "q_row", "q_head", "kv_slot", "kv_head", "ids_row", "table_row"), ("scale",),
                              dict(RATIO=4, G_PAD=16, D_PAD=256, PARTITION=qr.PARTITION, DOT_F32=False, PDL=True), {"num_warps": qa.NUM_WARPS},
                              unspecialised=("G", "num_parts", "row0"))
-built["qsa_merge"] = ptx(qa._merge_kernel, {n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")} | {"o_ptr": "*bf16", "count_ptr": "*i32", "ctx_len_ptr": "*i32"},
-                         ("D", "num_parts", "row0", "o_row", "o_head"), (),
+built["qsa_merge"] = ptx(qa._merge_kernel, {n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr")} | {"gate_ptr": "*bf16", "o_ptr": "*bf16", "count_ptr": "*i32", "ctx_len_ptr": "*i32"},
+                         ("D", "num_parts", "row0", "gate_row", "gate_head", "o_row", "o_head"), (),
                          dict(RATIO=4, PARTITION=qr.PARTITION, PARTS_PAD=triton.next_power_of_2(triton.cdiv(2048 + 3, qr.PARTITION)),
-                              MERGE_PARTS=qr.MERGE_PARTS, D_PAD=256, PDL=True), {"num_warps": qa.MERGE_WARPS}, unspecialised=("num_parts", "row0"))
+                              MERGE_PARTS=qr.MERGE_PARTS, D_PAD=256, HAS_GATE=True, PDL=True), {"num_warps": qa.MERGE_WARPS}, unspecialised=("num_parts", "row0"))
 json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16"), "div_rn": p.count("div.rn.f32"),
                   "tensor_core_dots": p.count("mma.sync") + p.count("wgmma.mma_async"), "f32_fma": p.count("fma.rn.f32")} for name, p in built.items()}, sys.stdout)
 """
@@ -164,7 +164,8 @@ def qsa_ptx():
 def test_qsa_kernels_build_for_sm90(qsa_ptx):
     """The QSA score, select, partition and merge kernels compile for the H200; the pooled keys' rotation
     products stay rounded alone (no fma.rn.bf16) and their mean and the score scale are IEEE divisions;
-    the partition's two bf16 dots run on tensor cores; the merge divides by the IEEE division."""
+    the partition's two bf16 dots run on tensor cores; the merge (with the output gate) divides by the
+    IEEE division."""
     assert set(qsa_ptx) == {"qsa_score", "qsa_select", "qsa_partition", "qsa_merge"} and all(p["ptx_chars"] > 0 for p in qsa_ptx.values())
     assert qsa_ptx["qsa_score"]["bf16_fma"] == 0 and qsa_ptx["qsa_score"]["div_rn"] > 0
     assert qsa_ptx["qsa_partition"]["tensor_core_dots"] > 0, qsa_ptx["qsa_partition"]

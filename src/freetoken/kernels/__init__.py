@@ -228,16 +228,17 @@ def qsa_select(q: torch.Tensor, raw_keys: torch.Tensor, k_norm_weight: torch.Ten
 
 
 def qsa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, counts: torch.Tensor, batch: SeqBatch,
-                  page_size: int, ratio: int, scale: float) -> torch.Tensor:
+                  page_size: int, ratio: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] over the paged caches [num_slots, Hkv, D], each row over the tokens of its kept key
-    blocks (qsa_select's block_ids [N, top_blocks], counts [N]) and its tail -> [N, Hq, D]."""
+    blocks (qsa_select's block_ids [N, top_blocks], counts [N]) and its tail -> [N, Hq, D], times
+    sigmoid(gate [N, Hq, D]) when a gate is given."""
     if use_triton(q):
         from freetoken.kernels import qsa_attention_triton
 
-        return qsa_attention_triton.qsa_attention(q, k_cache, v_cache, block_ids, counts, batch, page_size, ratio, scale)
+        return qsa_attention_triton.qsa_attention(q, k_cache, v_cache, block_ids, counts, batch, page_size, ratio, scale, gate)
     from freetoken.kernels import qsa_ref
 
-    return qsa_ref.qsa_attention(q, k_cache, v_cache, block_ids, counts, batch, page_size, ratio, scale)
+    return qsa_ref.qsa_attention(q, k_cache, v_cache, block_ids, counts, batch, page_size, ratio, scale, gate)
 
 
 def causal_conv1d_batched(windows: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, batch: SeqBatch, write_state: bool = True) -> torch.Tensor:

@@ -16,7 +16,8 @@ The list is instead cut into fixed PARTITION-wide partitions counted from its st
    partition starts past the row's list stores nothing.
 2. `_merge_kernel`, program (row, query head): the weights w_p = exp(m_p - max m) of the row's
    partitions, then the sums of w_p * l_p and w_p * output over MERGE_PARTS partitions at a time,
-   in order p = 0, 1, ...; the output is their quotient (IEEE division) in q's dtype.
+   in order p = 0, 1, ...; the output is their quotient (IEEE division) in q's dtype, and (given the
+   attention's output gate) times sigmoid(gate) rounded to that dtype, the product rounded again.
 
 A row gets the same bits whichever rows share the launch (a decode step, a verify block, a prefill
 chunk, other sequences): every program reads one row only, its steps are set by that row's count
@@ -101,10 +102,10 @@ def _partition_kernel(
 
 @triton.jit
 def _merge_kernel(
-    m_ptr, l_ptr, acc_ptr, o_ptr, count_ptr, ctx_len_ptr,
-    D, num_parts, row0, o_row, o_head,
+    m_ptr, l_ptr, acc_ptr, gate_ptr, o_ptr, count_ptr, ctx_len_ptr,
+    D, num_parts, row0, gate_row, gate_head, o_row, o_head,
     RATIO: tl.constexpr, PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr, MERGE_PARTS: tl.constexpr, D_PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.sync(PDL)
     r = row0 + tl.program_id(0).to(tl.int64)
@@ -126,8 +127,12 @@ def _merge_kernel(
         norm += tl.sum(w * tl.load(l_ptr + base + pc, mask=mine, other=0.0), axis=0)
         outs = tl.load(acc_ptr + (base + pc)[:, None] * D + ds[None, :], mask=mine[:, None] & md[None, :], other=0.0)
         total += tl.sum(w[:, None] * outs, axis=0)
-    out = tl.div_rn(total, tl.full(total.shape, 1.0, tl.float32) * norm)
-    tl.store(o_ptr + r * o_row + hq * o_head + ds, out.to(o_ptr.dtype.element_ty), mask=md)
+    out = tl.div_rn(total, tl.full(total.shape, 1.0, tl.float32) * norm).to(o_ptr.dtype.element_ty)
+    if HAS_GATE:  # qsa_ref: sigmoid(gate) rounded to the output dtype, then the product rounded
+        gate = tl.load(gate_ptr + r * gate_row + hq * gate_head + ds, mask=md, other=0.0).to(tl.float32)
+        sig = tl.div_rn(tl.full(gate.shape, 1.0, tl.float32), 1.0 + tl.exp(-gate)).to(o_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * sig.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + r * o_row + hq * o_head + ds, out, mask=md)
 
 
 def qsa_attention(
@@ -140,10 +145,14 @@ def qsa_attention(
     page_size: int,
     ratio: int,
     scale: float,
+    gate: torch.Tensor | None = None,  # [N, Hq, D]: the output is multiplied by sigmoid(gate) in the merge
 ) -> torch.Tensor:
     """As qsa_ref.qsa_attention: -> [N, Hq, D] in q.dtype."""
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and block_ids.stride(-1) == 1
     q = q if q.stride(-1) == 1 else q.contiguous()
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    g = gate if gate is not None else q  # a placeholder pointer without a gate
     n, num_q_heads, d = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -170,8 +179,8 @@ def qsa_attention(
             num_warps=NUM_WARPS, **pdl.launch_kwargs(),
         )
         _merge_kernel[(rows, num_q_heads)](
-            m_ws, l_ws, acc_ws, out, counts, batch.context_lens, d, num_parts, r0, out.stride(0), out.stride(1),
+            m_ws, l_ws, acc_ws, g, out, counts, batch.context_lens, d, num_parts, r0, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
             RATIO=ratio, PARTITION=partition, PARTS_PAD=triton.next_power_of_2(num_parts), MERGE_PARTS=merge_parts, D_PAD=d_pad,
-            num_warps=MERGE_WARPS, **pdl.launch_kwargs(),
+            HAS_GATE=gate is not None, num_warps=MERGE_WARPS, **pdl.launch_kwargs(),
         )
     return out

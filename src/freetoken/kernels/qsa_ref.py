@@ -32,6 +32,8 @@ w_p = exp(m_p - max m) and adds w_p * l_p and w_p * (e . V) up MERGE_PARTS parti
 order p = 0, 1, ...; the output is the sum of outputs divided by the sum of l. The Triton kernels
 (qsa_attention_triton.py) take the same steps with the same roundings; they differ only in the
 order of fp32 sums (the dots, a partition's sum, the sum over a merge step) and in exp's last bits.
+Given the attention's output gate, the output rounded to q's dtype is multiplied by sigmoid(gate)
+rounded to that dtype (the merge kernel's last step).
 
 Each row is computed alone (its scores, top-k, partitions and merge have shapes set by its own
 context), so it gets the same bits whichever rows share the call.
@@ -43,7 +45,7 @@ import math
 
 import torch
 
-from freetoken.kernels import norm_ref
+from freetoken.kernels import activation_ref, norm_ref
 from freetoken.kernels.attention_ref import token_slots
 from freetoken.kernels.batched import SeqBatch
 
@@ -165,9 +167,11 @@ def qsa_attention(
     page_size: int,
     ratio: int,
     scale: float,
+    gate: torch.Tensor | None = None,  # [N, Hq, D]: the output is multiplied by sigmoid(gate)
 ) -> torch.Tensor:
     """Each row's softmax attention over its key list (`partitioned_attention`) in its sequence's paged
-    caches -> [N, Hq, D] in q.dtype."""
+    caches -> [N, Hq, D] in q.dtype; with a gate, that output times sigmoid(gate) (activation_ref's,
+    rounded to q.dtype), the product rounded to q.dtype."""
     out = torch.empty_like(q)
     counts = counts.tolist()
     for i in range(batch.num_seqs):
@@ -176,5 +180,6 @@ def qsa_attention(
         for j in range(rows):
             row = batch.row_starts[i] + j
             keys_at = slots[selected_positions(block_ids[row], counts[row], cached + j + 1, ratio)]
-            out[row] = partitioned_attention(q[row], k_cache[keys_at], v_cache[keys_at], scale).to(q.dtype)
+            attended = partitioned_attention(q[row], k_cache[keys_at], v_cache[keys_at], scale).to(q.dtype)
+            out[row] = attended if gate is None else attended * activation_ref.sigmoid(gate[row])
     return out

@@ -16,7 +16,9 @@ is the gated attention of layers/attention.py with that key set instead of the c
 Selection and attention are `kernels.qsa_select` / `kernels.qsa_attention` (Triton, or the torch
 reference kernels/qsa_ref.py, which also states the tie order and the attention's partitions and
 roundings). Both take the step's batch layout and compute every row alone, so a row gets the same
-bits in a prefill chunk, a decode step or a verify block. The cos/sin of every block's first position are built once per forward (`block_rope`).
+bits in a prefill chunk, a decode step or a verify block. The attention multiplies its output by the
+sigmoid output gate itself (its `gate`, in the merge launch; `paged_attention_batched` likewise
+without an indexer). The cos/sin of every block's first position are built once per forward (`block_rope`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from freetoken.kernels.attention_ref import store_kv
 from freetoken.kernels.qsa_ref import selected_positions
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
-from freetoken.models.qwen4_exp import ops
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 from freetoken.models.qwen4_exp.rope import Rotary
 
@@ -132,9 +133,8 @@ class QSAAttention(GatedAttention):
         store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         batch = kernels.seq_batch(ctx)
         if self.indexer is None:
-            out = kernels.paged_attention_batched(q, k_cache, v_cache, batch, ctx.kv.block_size, self.scale)
+            out = kernels.paged_attention_batched(q, k_cache, v_cache, batch, ctx.kv.block_size, self.scale, gate)
         else:
             chosen = self.indexer(x, ctx, cos, sin)
-            out = kernels.qsa_attention(q, k_cache, v_cache, chosen.block_ids, chosen.counts, batch, ctx.kv.block_size, chosen.ratio, self.scale)
-        out = out * ops.sigmoid(gate.reshape(n, -1)).view_as(gate)
+            out = kernels.qsa_attention(q, k_cache, v_cache, chosen.block_ids, chosen.counts, batch, ctx.kv.block_size, chosen.ratio, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
