@@ -21,17 +21,16 @@ from pathlib import Path
 
 import torch
 
+from freetoken.bench_floor import decode_floor_parts, layer_counts, meta_model, ngram_table_rows
+from freetoken.bench_shapes import DFLASH_SHAPES, SHAPES, BenchConfig, bench_config, family_of
 from freetoken.distributed.context import SINGLE, ParallelContext
 from freetoken.engine.config import EngineConfig
 from freetoken.layers.offload_config import ExpertOffloadConfig
 from freetoken.models.expert_offload import weight_memory
-from freetoken.bench_floor import decode_floor_parts, layer_counts, meta_model, ngram_table_rows
-from freetoken.bench_shapes import DFLASH_SHAPES, SHAPES, BenchConfig, bench_config, family_of
 from freetoken.models.qwen3_5.config import Qwen35Config
 from freetoken.sampling import SamplingParams
 
 H200_COPY_BANDWIDTH = 4.25e12  # bytes/s, measured device-to-device copy on this H200 (DESIGN.md)
-
 
 DFLASH_BLOCK_SIZE = 16
 
@@ -135,7 +134,7 @@ class BenchResult:
     full_depth_layers: int | None = None  # decoder layers of the shape (or checkpoint) at its real depth
     floor_parts: dict[str, int] | None = None  # floor_bytes_per_step by `<kind>.<part>` (bench_floor.py)
     floor_layer_counts: dict[str, int] | None = None  # layers of each kind in the benched model
-    floor_bytes_full_depth: int | None = None  # the same floor counted at the real depth (bench_floor.full_depth_floor)
+    floor_bytes_full_depth: int | None = None  # the same count on the model at its real depth (bench_floor.meta_model)
     ple_table_rows: int | None = None  # rows of the benched n-gram table per PLE layer (a lookup reads one per head and token)
     ple_table_rows_full: int | None = None  # rows of the real table
 
