@@ -174,7 +174,7 @@ def test_qsa_kernels_build_for_sm90(qsa_ptx):
 
 _QWEN4_BUILD = """
 import json, sys
-from freetoken.kernels import dilated_conv_triton as dc, norm_triton, ple_gate_triton as pg, ple_ngram_triton as pn
+from freetoken.kernels import dilated_conv_triton as dc, hc_triton as hc, norm_triton, ple_gate_triton as pg, ple_ngram_triton as pn
 from tests.kernels import sm90_build
 
 ptx = sm90_build.ptx_of
@@ -195,13 +195,28 @@ built["ple_ngram"] = ptx(pn._ngram_tokens_kernel, {n: "*i64" for n in ("win_ptr"
                          | {n: "*i32" for n in ("starts_ptr", "counts_ptr", "slots_ptr", "cached_ptr")},
                          ("eos", "write_state", "win_slot", "out_row"), (),
                          dict(NGRAM=3, BLOCK_T=pn.BLOCK_T, BLOCK_W=2, PDL=True), {"num_warps": pn.NUM_WARPS}, unspecialised=("eos", "write_state"))
-json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16")} for name, p in built.items()}, sys.stdout)
+# the hyper-connections' gates (rank 320 + 4 injection columns), mean over the streams, injection (+ the next norm)
+built["hc_gates"] = ptx(hc._gates_kernel, {n: "*bf16" for n in ("a_ptr", "g_ptr", "w_ptr")}, ("R", "K", "stride_a", "stride_g", "stride_w"), ("streams",),
+                        dict(BLOCK=512, PDL=True), {"num_warps": hc.NUM_WARPS}, unspecialised=("K", "stride_a", "stride_w"))
+built["hc_mix_mean"] = ptx(hc._mix_mean_kernel, {n: "*bf16" for n in ("up_ptr", "xn_ptr", "u_ptr")}, ("H", "stride_up", "stride_xn", "stride_u"), (),
+                           dict(S=4, BLOCK_H=hc.MIX_BLOCK_H, PDL=True), {"num_warps": hc.NUM_WARPS})
+for norm in (False, True):
+    built[f"hc_inject_norm_{norm}"] = ptx(hc._inject_kernel, {n: "*bf16" for n in ("x_ptr", "y_ptr", "w_ptr", "norm_w_ptr", "out_ptr", "xn_ptr")},
+                                          ("H", "stride_x", "stride_y", "stride_w", "stride_out", "stride_xn"), ("eps",),
+                                          dict(NORM=norm, BLOCK_H=4096, PDL=True), {"num_warps": hc.NUM_WARPS}, unspecialised=("stride_w",))
+json.dump({name: {"ptx_chars": len(p), "bf16_fma": p.count("fma.rn.bf16"), "mul_rn": p.count("mul.rn.f32"), "div_rn": p.count("div.rn.f32")}
+           for name, p in built.items()}, sys.stdout)
 """
 
 
 def test_qwen4_exp_kernels_build_for_sm90():
-    """The grouped per-stream norm, the PLE n-gram columns, gated value and dilated convolution compile
-    for the H200 at the real shapes; none contracts a bf16 product into a bf16 sum (no fma.rn.bf16)."""
+    """The grouped per-stream norm, the PLE n-gram columns, gated value and dilated convolution, and the
+    hyper-connections' gates, mean and injection compile for the H200 at the real shapes; none contracts
+    a bf16 product into a bf16 sum (no fma.rn.bf16): the mean's and the injection's products stay
+    rounded alone (mul.rn.f32, compat_triton.mul_rn), and the hyper-connections divide by IEEE division."""
     built = json.loads(sm90_build.run(_QWEN4_BUILD))
-    assert set(built) == {"grouped_norm", "ple_gate", "ple_conv", "ple_ngram"} and all(p["ptx_chars"] > 0 for p in built.values())
+    assert set(built) == {"grouped_norm", "ple_gate", "ple_conv", "ple_ngram", "hc_gates", "hc_mix_mean", "hc_inject_norm_False", "hc_inject_norm_True"}
+    assert all(p["ptx_chars"] > 0 for p in built.values())
     assert all(p["bf16_fma"] == 0 for p in built.values()), built
+    assert all(built[name]["mul_rn"] > 0 for name in ("hc_mix_mean", "hc_inject_norm_False", "hc_inject_norm_True")), built
+    assert all(built[name]["div_rn"] > 0 for name in ("hc_gates", "hc_mix_mean")), built

@@ -212,6 +212,44 @@ def paged_attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out if gate is None else out * activation_ref.sigmoid(gate)
 
 
+def hc_gates(down_inject: torch.Tensor, rank: int, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hyper-connection's gates from its merged down/inject projection down_inject [N, rank + k]:
+    (silu(d / S) [N, rank], injection weights 2 sigmoid(i / S) [N, k]); see hc_ref."""
+    if use_triton(down_inject):
+        from freetoken.kernels import hc_triton
+
+        return hc_triton.gates(down_inject, rank, streams)
+    from freetoken.kernels import hc_ref
+
+    return hc_ref.gates(down_inject, rank, streams)
+
+
+def hc_mix_mean(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.Tensor:
+    """A hyper-connection's block input u = mean_s(sigmoid(up_s) * xn_s) [N, H] of up, xn [N, S*H]; see hc_ref."""
+    if use_triton(xn):
+        from freetoken.kernels import hc_triton
+
+        return hc_triton.mix_mean(up, xn, streams)
+    from freetoken.kernels import hc_ref
+
+    return hc_ref.mix_mean(up, xn, streams)
+
+
+def hc_inject(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor | None = None,
+              eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """X = x [N, S*H] + weights [N, S] (x) y [N, H], and with norm_weight [S*H] its per-stream zero-centred
+    norm (the next hyper-connection's input) -> (X, Xn or None); see hc_ref."""
+    if use_triton(x):
+        from freetoken.kernels import hc_triton
+
+        return hc_triton.inject(x, y, weights, norm_weight, eps)
+    from freetoken.kernels import hc_ref
+
+    if norm_weight is None:
+        return hc_ref.inject(x, y, weights), None
+    return hc_ref.inject_norm(x, y, weights, norm_weight, eps)
+
+
 def qsa_select(q: torch.Tensor, raw_keys: torch.Tensor, k_norm_weight: torch.Tensor, eps: float, block_cos: torch.Tensor, block_sin: torch.Tensor,
                batch: SeqBatch, page_size: int, ratio: int, top_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """QSA key-block selection: indexer queries q [N, H, d_i] against the key blocks pooled from the raw
@@ -390,6 +428,9 @@ __all__ = [
     "torch_only",
     "gated_rms_norm",
     "grouped_zc_rms_norm",
+    "hc_gates",
+    "hc_inject",
+    "hc_mix_mean",
     "gdn_chunked_prefill",
     "gdn_fused_recurrent",
     "gdn_recurrent_batched",

@@ -16,16 +16,23 @@ indexers' raw keys per token (one extra KV row tensor per attention layer, the M
 included, same slots as its K/V) and the PLE windows per request (ple.py).
 
 Kernels: every op goes through `kernels`, so on CUDA (and under the interpreter with
-FREETOKEN_KERNELS=triton) these run on Triton: the embedding, every linear (hyper-connection mixes and
-injections, PLE key/value, GDN, attention, indexer and MoE projections, lm_head), the norms (the
-grouped per-stream norms of the hyper-connections and PLE, the MTP's pre-fc norms, q/k and indexer
-norms), the GDN layer (convolution, recurrence with its fused input preparation, chunked prefill, the
-sigmoid-gated norm), the MoE routing and experts, the PLE n-gram token columns with their id windows,
-its gated value with its norm and its dilated causal convolution, and QSA's block selection and
-sparse attention (qsa.py, `kernels.qsa_select` / `kernels.qsa_attention`). Torch on every device: the
-hyper-connections' elementwise ops (sigmoid and silu gates, the mean over the streams, the injection:
-each element alone, so row-invariant), RoPE and the K/V store of the attention (qsa.py, rope.py), and
-the PLE n-gram hash (integer ops).
+FREETOKEN_KERNELS=triton) these run on Triton: the embedding, every linear (the hyper-connections'
+merged down/inject projections and up projections, PLE key/value, GDN, attention, indexer and MoE
+projections, lm_head), the norms (the grouped per-stream norms of the hyper-connections and PLE, the
+MTP's pre-fc norms, q/k and indexer norms), the hyper-connections' elementwise steps (their gates,
+the mean over the streams, the injection, which also normalises the sum for the next
+hyper-connection: kernels/hc_triton.py), the GDN layer (convolution, recurrence with its fused input
+preparation, chunked prefill, the sigmoid-gated norm), the MoE routing and experts, the PLE n-gram
+token columns with their id windows, its gated value with its norm and its dilated causal
+convolution, and QSA's block selection and sparse attention with its sigmoid output gate (qsa.py,
+`kernels.qsa_select` / `kernels.qsa_attention`). Torch on every device: the embedding's repeat over
+the streams, the PLE term's add to the residual, RoPE and the K/V and indexer-key stores of the
+attention (qsa.py, rope.py), and the PLE n-gram hash (integer ops).
+
+A hyper-connection with its injection is five launches (hyper_connection.py): the merged projection,
+the gates, W_up, the mean, the injection. The injection also writes the next hyper-connection's
+normed input (`DecoderLayer.run`), so only the first layer, a PLE layer (its input changes before
+the norm) and the final mixer launch a norm of their own.
 
 CUDA graphs (`supports_cuda_graphs`) are behind a switch: FREETOKEN_QWEN4_GRAPHS=1 (`CUDA_GRAPHS`,
 read once at import) lets the engine capture the decode and verify steps, the commit and the MTP
@@ -55,6 +62,7 @@ from freetoken.layers.linear_attn import GatedDeltaNet
 from freetoken.layers.moe import SparseMoE
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
 from freetoken.models.qwen4_exp.hyper_connection import GatedResidual, inject
+from freetoken.models.qwen4_exp.ops import GroupedZCRMSNorm
 from freetoken.models.qwen4_exp.ple import PLELayer, ple_state_specs
 from freetoken.models.qwen4_exp.qsa import QSAAttention
 from freetoken.models.qwen4_exp.rope import Rotary
@@ -91,12 +99,27 @@ class DecoderLayer(nn.Module):
         return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [N, S*H] -> [N, S*H]
+        return self.run(x, ctx)[0]
+
+    def run(self, x: torch.Tensor, ctx: ForwardContext, xn: torch.Tensor | None = None,
+            next_norm: GroupedZCRMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [N, S*H] -> (x after the layer [N, S*H], its norm by next_norm [N, S*H] or None).
+
+        xn: the attn hyper-connection's norm of x, when the launch that wrote x made it (never on a
+        PLE layer, which adds to x first). next_norm: the next layer's attn hyper-connection norm,
+        applied in the layer's last launch (`inject`)."""
         if self.ple is not None:
-            x = x + self.ple(x, ctx)
-        u, weights = self.attn_hyper_connection(x)
-        x = inject(x, self.mixer(u, ctx), weights)
-        u, weights = self.mlp_hyper_connection(x)
-        return inject(x, self.mlp(u), weights)
+            x, xn = x + self.ple(x, ctx), None
+        u, weights = self.attn_hyper_connection(x, xn)
+        x, xn = inject(x, self.mixer(u, ctx), weights, self.mlp_hyper_connection.hc_norm)
+        u, weights = self.mlp_hyper_connection(x, xn)
+        return inject(x, self.mlp(u), weights, next_norm)
+
+    @property
+    def input_norm(self) -> GroupedZCRMSNorm | None:
+        """The norm of this layer's input that the layer before may apply in its last launch (none on a
+        PLE layer: its input changes before the norm)."""
+        return self.attn_hyper_connection.hc_norm if self.ple is None else None
 
     def commit(self, ctx: ForwardContext, replay: kernels.SeqBatch) -> None:
         """Fold the accepted verify rows into this layer's GDN and PLE state."""
@@ -209,8 +232,10 @@ class Qwen4ExpForCausalLM(nn.Module):
             x = ctx.image_embeds.apply(x)
         x = x.repeat(1, self.config.hc_count)
         streams: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, ctx)
+        layers = self.model.layers
+        xn = None
+        for i, layer in enumerate(layers):
+            x, xn = layer.run(x, ctx, xn, layers[i + 1].input_norm if i + 1 < len(layers) else None)
             if i in export_layers:
                 streams[i] = x
         if not export_layers:

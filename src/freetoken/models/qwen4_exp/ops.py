@@ -1,10 +1,10 @@
-"""Small elementwise ops of the qwen4_exp blocks, and the grouped norm's module (its op is
-`kernels.grouped_zc_rms_norm`).
+"""`per_row` for elementwise torch ops of the qwen4_exp blocks, and the grouped norm's module (its op
+is `kernels.grouped_zc_rms_norm`).
 
 Row invariance on CPU: an element's bits must not depend on how many rows share a call (a decode
-step has 1 row, a verify step k+1). sigmoid and silu come from kernels/activation_ref.py, which is
-written for that; `per_row` applies any other elementwise op one row at a time on CPU (CUDA
-elementwise kernels treat every element alike and take the whole tensor).
+step has 1 row, a verify step k+1). `per_row` applies an elementwise op one row at a time on CPU
+(CUDA elementwise kernels treat every element alike and take the whole tensor). The
+hyper-connections' elementwise steps are kernels of their own (kernels/hc_ref.py, hc_triton.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from freetoken import kernels
-from freetoken.kernels import activation_ref
 from freetoken.layers.basic import _empty
 
 
@@ -24,9 +23,6 @@ def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     if x.is_cuda or x.shape[0] <= 1:
         return fn(x)
     return torch.cat([fn(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
-
-
-sigmoid, silu = activation_ref.sigmoid, activation_ref.silu
 
 
 class GroupedZCRMSNorm(nn.Module):
@@ -40,12 +36,3 @@ class GroupedZCRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, G * group] -> [N, G * group]
         return kernels.grouped_zc_rms_norm(x, self.weight, self.group, self.eps)
-
-
-def mean_over(parts: torch.Tensor, dim: int) -> torch.Tensor:
-    """The mean over `dim` as an explicit sum in index order: the same bits whatever the other sizes."""
-    slices = parts.unbind(dim)
-    acc = slices[0]
-    for s in slices[1:]:
-        acc = acc + s
-    return acc / len(slices)
