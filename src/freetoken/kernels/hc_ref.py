@@ -47,8 +47,7 @@ def mix_mean(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.Tensor:
 
 def inject(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """x [N, S*H] + weights [N, S] (x) y [N, H]: the block output y added to every stream with its weight."""
-    n, s = weights.shape
-    return x + (y[:, None, :] * weights[:, :, None]).reshape(n, -1)
+    return x + (y[:, None, :] * weights[:, :, None]).reshape(weights.shape[0], -1)
 
 
 def inject_norm(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

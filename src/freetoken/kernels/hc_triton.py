@@ -103,6 +103,7 @@ def _inject_kernel(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last dim (the kernels step rows by their stride)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -141,13 +142,13 @@ def inject(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, norm_weight:
     x, y, weights = _rows(x), _rows(y), _rows(weights)
     n, streams = weights.shape
     h = y.shape[1]
+    norm = norm_weight is not None
     out = torch.empty_like(x)
-    xn = torch.empty_like(x) if norm_weight is not None else None
+    xn = torch.empty_like(x) if norm else None
     if n:
-        norm = norm_weight is not None
+        norm_w, xn_out = (norm_weight.contiguous(), xn) if norm else (x, out)  # without a norm: pointers never read
         _inject_kernel[(n, streams)](
-            x, y, weights, norm_weight.contiguous() if norm else x, out, xn if norm else out,
-            h, x.stride(0), y.stride(0), weights.stride(0), out.stride(0), (xn if norm else out).stride(0), eps,
+            x, y, weights, norm_w, out, xn_out, h, x.stride(0), y.stride(0), weights.stride(0), out.stride(0), xn_out.stride(0), eps,
             NORM=norm, BLOCK_H=triton.next_power_of_2(h), num_warps=norm_triton._row_warps(h, NUM_WARPS), **pdl.launch_kwargs(),
         )
     return out, xn
