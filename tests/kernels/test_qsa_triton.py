@@ -227,9 +227,27 @@ def test_model_indexer_triton_path_equals_torch_path(device, dtype, monkeypatch)
     for mode in ("torch", "triton"):
         monkeypatch.setattr(kernels, "MODE", mode)
         ctx.__dict__.pop("_qsa_block_rope", None)
-        selections[mode] = indexer(x, ctx, cos, sin)
+        selections[mode] = indexer(x, ctx)
     assert torch.equal(selections["triton"].counts, selections["torch"].counts)
     assert torch.equal(selections["triton"].block_ids, selections["torch"].block_ids)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="counts the interpreter's launches")
+@torch.no_grad()
+def test_model_indexer_is_four_launches(monkeypatch):
+    """On the Triton path an Indexer step (its block cos/sin already built for the forward) is its
+    projection, the query norm + RoPE + raw key store, scoring and selection; no torch op computes."""
+    from freetoken import kernels
+    from tests.kernels.test_hc_triton import _Launches
+    from tests.models.test_qwen4_exp_qsa import indexer_case
+
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    indexer, x, ctx, _, _ = indexer_case(torch.float32)
+    indexer(x, ctx)  # builds the forward's block cos/sin and sizes the linear's workspace
+    with _Launches(monkeypatch) as launches:
+        indexer(x, ctx)
+    assert launches.kernels == ["_linear_kernel", "_norm_rope_kernel", "_score_kernel", "_select_kernel"]
+    assert launches.torch_ops == []
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -57,13 +57,17 @@ for weighted_by_id in (False, True):
         ("H", "stride_rows", "stride_g", "stride_r", "stride_s", "stride_y", "pf_lines", "num_tokens"),
         dict(TOP_K=8, TOP_K_POW2=8, ROW_K=9, BLOCK_H=2048, WEIGHTED_BY_ID=weighted_by_id, PREFETCH=False, PDL=True),
         {"num_warps": norm_triton.ADD_NORM_WARPS}, unspecialised=("num_tokens", "eps"))
-# q/k norm + RoPE: each rotation product rounded to bf16 before the sum, as rope_ref.
-built["norm_rope"] = ptx(rope_triton._norm_rope_kernel,
-                         {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}
-                         | {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "pf_ptr": "*i8", "eps": "fp32"},
-                         ("Hq", "D", "q_row", "q_head", "k_row", "k_head", "v_row", "v_head", "qo_row", "qo_head", "cache_slot", "cache_head", "pf_lines", "num_rows", "pos_stride"),
-                         dict(ROT=64, D_PAD=256, PREFETCH=False, PDL=True, MROPE=False, S_H=0, S_W=0), {"num_warps": rope_triton.NUM_WARPS},
-                         unspecialised=("num_rows", "eps", "pos_stride"))
+# q/k norm + RoPE: each rotation product rounded to bf16 before the sum, as rope_ref; Qwen3.5's, and
+# qwen4_exp's attention (YaRN-scaled cos/sin, 1 + 0.1 ln 4) and indexer (no key stored) with mRoPE.
+for name, variant in (("norm_rope", dict(MROPE=False, S_H=0, S_W=0, COS_SCALE=1.0, STORE_K=True)),
+                      ("norm_rope_yarn", dict(MROPE=True, S_H=11, S_W=10, COS_SCALE=1.1386294361119891, STORE_K=True)),
+                      ("norm_rope_no_key", dict(MROPE=True, S_H=11, S_W=10, COS_SCALE=1.1386294361119891, STORE_K=False))):
+    built[name] = ptx(rope_triton._norm_rope_kernel,
+                      {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}
+                      | {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "slot_ptr": "*i64", "pf_ptr": "*i8", "eps": "fp32"},
+                      ("Hq", "D", "q_row", "q_head", "k_row", "k_head", "v_row", "v_head", "qo_row", "qo_head", "cache_slot", "cache_head", "pf_lines", "num_rows", "pos_stride"),
+                      dict(ROT=64, D_PAD=256, PREFETCH=False, PDL=True) | variant, {"num_warps": rope_triton.NUM_WARPS},
+                      unspecialised=("num_rows", "eps", "pos_stride"))
 cfg = lt.config_for(2048, 4096, __import__("torch").bfloat16)  # the 35B-A3B output projection: split K
 built["linear"] = ptx(lt._linear_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"},
                       ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_ym"),
@@ -112,7 +116,8 @@ def test_the_gemms_routing_stays_inside_each_warp_in_the_sm90_build(counts):
     assert counts["routing_redux"] >= 16, counts["routing_redux"]
 
 
-@pytest.mark.parametrize("kernel", ["down", "down_combine", "combine", "exit_weighted_by_id_False", "exit_weighted_by_id_True", "norm_rope"])
+@pytest.mark.parametrize("kernel", ["down", "down_combine", "combine", "exit_weighted_by_id_False", "exit_weighted_by_id_True", "norm_rope",
+                                    "norm_rope_yarn", "norm_rope_no_key"])
 def test_products_rounded_before_a_sum_stay_unfused_in_the_sm90_build(counts, kernel):
     """The MoE combines round each weighted row to x.dtype before adding it, and the RoPE each rotation
     product, as torch does. With FP fusion on the compiler narrows a bf16 product and the following bf16

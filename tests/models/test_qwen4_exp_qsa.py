@@ -105,7 +105,7 @@ def per_row_selection(indexer: Indexer, x: torch.Tensor, ctx: ForwardContext, co
 @torch.no_grad()
 def test_indexer_matches_per_row_reading(dtype):
     indexer, x, ctx, cos, sin = indexer_case(dtype)
-    got = indexer(x, ctx, cos, sin).positions()
+    got = indexer(x, ctx).positions()
     want = per_row_selection(indexer, x, ctx, cos, sin)
     assert len(got) == len(want) == sum(ROWS)
     for row, (g, w) in enumerate(zip(got, want)):

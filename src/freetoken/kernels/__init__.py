@@ -25,7 +25,7 @@ from freetoken.errors import FreetokenError
 from freetoken.kernels import activation_ref, batched, linear_ref, norm_ref
 from freetoken.kernels.attention_ref import store_kv
 from freetoken.kernels.batched import SeqBatch, seq_batch
-from freetoken.kernels.rope_ref import apply_rope
+from freetoken.kernels.rope_ref import apply_rope, mrope_axes, rotate, scaled_cos_sin
 
 if TYPE_CHECKING:
     from freetoken.kernels.l2_prefetch import Span
@@ -186,18 +186,29 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def norm_rope_store(q, k, v, q_weight, k_weight, eps: float, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch: "Span | None" = None,
-                    mrope_section: tuple[int, ...] = ()) -> torch.Tensor:
+                    mrope_section: tuple[int, ...] = (), cos_scale: float | None = None) -> torch.Tensor:
     """zc_rms_norm then partial RoPE of q [N, Hq, D] and k [N, Hkv, D] at positions [N] (or [3, N], interleaved
     mRoPE over mrope_section); k and v [N, Hkv, D] stored at slot_mapping [N] in the caches [num_slots, Hkv, D];
-    returns the rotated q. prefetch: `l2_span`'s."""
+    returns the rotated q. k None (with k_weight and k_cache None): v alone is stored, as it is. cos_scale None:
+    Qwen3.5's cos/sin (rope_ref.apply_rope); a float: qwen4_exp's, times cos_scale (rope_ref.scaled_cos_sin).
+    prefetch: `l2_span`'s."""
     if use_triton(q):
         from freetoken.kernels import rope_triton
 
         return rope_triton.norm_rope_store(q, k, v, q_weight, k_weight, eps, positions, inv_freq, k_cache, v_cache, slot_mapping, prefetch,
-                                           mrope_section)
-    q = apply_rope(norm_ref.zc_rms_norm(q, q_weight, eps), positions, inv_freq, mrope_section)
-    k = apply_rope(norm_ref.zc_rms_norm(k, k_weight, eps), positions, inv_freq, mrope_section)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+                                           mrope_section, 1.0 if cos_scale is None else cos_scale)
+    if cos_scale is None:
+        q = apply_rope(norm_ref.zc_rms_norm(q, q_weight, eps), positions, inv_freq, mrope_section)
+        k = apply_rope(norm_ref.zc_rms_norm(k, k_weight, eps), positions, inv_freq, mrope_section)
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    axes = torch.tensor(mrope_axes(inv_freq.shape[0], mrope_section)) if positions.dim() == 2 else None
+    cos, sin = scaled_cos_sin(positions, inv_freq, axes, cos_scale, q.dtype)
+    q = rotate(norm_ref.zc_rms_norm(q, q_weight, eps), cos, sin)
+    if k is None:
+        v_cache[slot_mapping] = v.to(v_cache.dtype)
+    else:
+        store_kv(rotate(norm_ref.zc_rms_norm(k, k_weight, eps), cos, sin), v, k_cache, v_cache, slot_mapping)
     return q
 
 

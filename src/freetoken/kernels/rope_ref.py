@@ -5,9 +5,13 @@ there. Rows of an image prompt carry three positions (t, h, w): frequency i take
 i % 3 == 1 and i < 3 * section[1], the w position when i % 3 == 2 and i < 3 * section[2], else the t
 position (interleaved mRoPE). Equal rows give exactly the 1-D result.
 Only the first `rotary_dim` channels of each head rotate; channel i pairs with i + rotary_dim / 2.
+qwen4_exp's cos/sin (`scaled_cos_sin`, `rotate`) carry YaRN's attention factor and are computed one
+row at a time on CPU, so a row's bits do not depend on the rows sharing the call.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -44,3 +48,28 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     half = rotary_dim // 2
     rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
     return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+def _row_by_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) computed one row (dim 0) at a time on CPU, in one call elsewhere; fn is elementwise."""
+    if x.is_cuda or x.shape[0] <= 1:
+        return fn(x)
+    return torch.cat([fn(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
+
+
+def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor | None, scale: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N] (or [3, N] with axes, mrope_axes as a tensor) -> cos, sin [N, 2 * len(inv_freq)] in dtype:
+    fp32 cos and sin of the angles times scale, then cast (as transformers applies YaRN's attention factor)."""
+    freqs = rope_freqs(positions, inv_freq, axes)
+    cos = _row_by_row(lambda f: f.cos() * scale, freqs)
+    sin = _row_by_row(lambda f: f.sin() * scale, freqs)
+    return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] with its first rotary_dim channels rotated by cos, sin [N, rotary_dim]."""
+    d, half = cos.shape[-1], cos.shape[-1] // 2
+    x_rot, x_pass = x[..., :d], x[..., d:]
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos[:, None, :] + rotated * sin[:, None, :], x_pass], dim=-1)

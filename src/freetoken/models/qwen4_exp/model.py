@@ -19,15 +19,17 @@ Kernels: every op goes through `kernels`, so on CUDA (and under the interpreter 
 FREETOKEN_KERNELS=triton) these run on Triton: the embedding, every linear (the hyper-connections'
 merged down/inject projections and up projections, PLE key/value, GDN, attention, indexer and MoE
 projections, lm_head), the norms (the grouped per-stream norms of the hyper-connections and PLE, the
-MTP's pre-fc norms, q/k and indexer norms), the hyper-connections' elementwise steps (their gates,
+MTP's pre-fc norms), the attention's q/k norms with their YaRN RoPE and the K/V store, and the
+indexer's query norm with its RoPE and the raw key store (one `kernels.norm_rope_store` launch each,
+qsa.py), the hyper-connections' elementwise steps (their gates,
 the mean over the streams, the injection, which also normalises the sum for the next
 hyper-connection: kernels/hc_triton.py), the GDN layer (convolution, recurrence with its fused input
 preparation, chunked prefill, the sigmoid-gated norm), the MoE routing and experts, the PLE n-gram
 token columns with their id windows, its gated value with its norm and its dilated causal
 convolution, and QSA's block selection and sparse attention with its sigmoid output gate (qsa.py,
 `kernels.qsa_select` / `kernels.qsa_attention`). Torch on every device: the embedding's repeat over
-the streams, the PLE term's add to the residual, RoPE and the K/V and indexer-key stores of the
-attention (qsa.py, rope.py), and the PLE n-gram hash (integer ops).
+the streams, the PLE term's add to the residual, the cos/sin of the QSA key blocks' first positions
+(once per forward, `qsa.block_rope`), and the PLE n-gram hash (integer ops).
 
 A hyper-connection with its injection is five launches (hyper_connection.py): the merged projection,
 the gates, W_up, the mean, the injection. The injection also writes the next hyper-connection's

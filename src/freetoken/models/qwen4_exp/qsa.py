@@ -30,7 +30,6 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.forward_context import ForwardContext
-from freetoken.kernels.attention_ref import store_kv
 from freetoken.kernels.qsa_ref import selected_positions
 from freetoken.layers.attention import GatedAttention
 from freetoken.layers.basic import Linear, ZeroCenteredRMSNorm
@@ -92,15 +91,16 @@ class Indexer(nn.Module):
         self.cache_index = cache_index  # which of the KV pool's extra row tensors holds this layer's raw keys
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos: torch.Tensor, sin: torch.Tensor) -> Selection:
-        """x [N, H] (the block input), cos/sin [N, rotary_dim] of the rows' positions -> the rows' kept
-        key blocks; stores the rows' raw keys first."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> Selection:
+        """x [N, H] (the block input) -> the rows' kept key blocks; norms and rotates the queries and
+        stores the rows' raw keys first, in one `kernels.norm_rope_store` launch (no key to norm there)."""
         n = x.shape[0]
         qk = self.index_qk_proj(x)
-        q = qk[:, : self.num_heads * self.head_dim].reshape(n, self.num_heads, self.head_dim)
-        q = self.rotary.apply(self.q_layernorm(q), cos, sin)
+        q = qk[:, : self.num_heads * self.head_dim].view(n, self.num_heads, self.head_dim)
         raw = ctx.kv.extra[self.cache_index]  # [num_slots, 1, d_i]
-        raw[ctx.slot_mapping] = qk[:, None, self.num_heads * self.head_dim :].to(raw.dtype)
+        q = kernels.norm_rope_store(q, None, qk[:, None, self.num_heads * self.head_dim :], self.q_layernorm.weight, None, self.q_layernorm.eps,
+                                    ctx.positions, self.rotary.inv_freq_on(x.device), None, raw, ctx.slot_mapping,
+                                    mrope_section=self.rotary.mrope_section, cos_scale=self.rotary.scale)
         batch = kernels.seq_batch(ctx)
         block_cos, block_sin = block_rope(ctx, self.rotary, self.ratio, raw.dtype)
         ids, counts = kernels.qsa_select(q, raw, self.k_layernorm.weight, self.k_layernorm.eps, block_cos, block_sin, batch,
@@ -126,15 +126,13 @@ class QSAAttention(GatedAttention):
         n = x.shape[0]
         q_gate, k, v = self._project(x)
         q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
-        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
-        q = self.rotary.apply(self.q_norm(q), cos, sin)
-        k = self.rotary.apply(self.k_norm(k), cos, sin)
         k_cache, v_cache = ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index]
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        q = kernels.norm_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions, self.rotary.inv_freq_on(x.device),
+                                    k_cache, v_cache, ctx.slot_mapping, mrope_section=self.rotary.mrope_section, cos_scale=self.rotary.scale)
         batch = kernels.seq_batch(ctx)
         if self.indexer is None:
             out = kernels.paged_attention_batched(q, k_cache, v_cache, batch, ctx.kv.block_size, self.scale, gate)
         else:
-            chosen = self.indexer(x, ctx, cos, sin)
+            chosen = self.indexer(x, ctx)
             out = kernels.qsa_attention(q, k_cache, v_cache, chosen.block_ids, chosen.counts, batch, ctx.kv.block_size, chosen.ratio, self.scale, gate)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))

@@ -6,8 +6,9 @@ interleaved over `mrope_section`), before the YaRN scale, as transformers recomp
 `_compute_yarn_parameters` with dim = rotary_dim: the inverse frequencies blend interpolation
 (divided by `factor`) and extrapolation over the correction range of beta_fast/beta_slow, and cos
 and sin are multiplied by the attention factor (0.1 ln(factor) + 1 unless the config sets one).
-The attention and the QSA indexer share these cos/sin (the indexer's heads are at least rotary_dim
-wide and rotate their first rotary_dim channels).
+The attention and the QSA indexer rotate with these cos/sin (the indexer's heads are at least rotary_dim
+wide and rotate their first rotary_dim channels), each in its `kernels.norm_rope_store` launch, which
+computes them from the positions, `inv_freq_on` and `scale` itself.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import math
 
 import torch
 
-from freetoken.kernels.rope_ref import mrope_axes, rope_freqs, rope_inv_freq
+from freetoken.kernels.rope_ref import mrope_axes, rope_inv_freq, rotate, scaled_cos_sin
 from freetoken.models.qwen4_exp.config import Qwen4ExpConfig
-from freetoken.models.qwen4_exp.ops import per_row
 
 
 def yarn_inv_freq(cfg: Qwen4ExpConfig) -> tuple[torch.Tensor, float]:
@@ -56,6 +56,7 @@ class Rotary:
         else:
             self.inv_freq, self.scale = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device="cpu"), 1.0
         self.rotary_dim = cfg.rotary_dim
+        self.mrope_section = cfg.mrope_section  # (t, h, w) frequency counts for [3, N] positions (interleaved mRoPE)
         # [rotary_dim / 2]: the axis (0 t, 1 h, 2 w) each frequency reads from [3, N] positions
         self.mrope_axes = torch.tensor(mrope_axes(cfg.rotary_dim // 2, cfg.mrope_section), device="cpu")
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
@@ -71,14 +72,8 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] (or [3, N] (t, h, w)) -> cos, sin [N, rotary_dim] in dtype (scaled, then cast, as
         transformers does)."""
-        freqs = rope_freqs(positions, self.inv_freq_on(positions.device), self.mrope_axes)
-        cos = per_row(lambda f: f.cos() * self.scale, freqs)
-        sin = per_row(lambda f: f.sin() * self.scale, freqs)
-        return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+        return scaled_cos_sin(positions, self.inv_freq_on(positions.device), self.mrope_axes, self.scale, dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, heads, D] with its first rotary_dim channels rotated by cos, sin [N, rotary_dim]."""
-        d, half = self.rotary_dim, self.rotary_dim // 2
-        x_rot, x_pass = x[..., :d], x[..., d:]
-        rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-        return torch.cat([x_rot * cos[:, None, :] + rotated * sin[:, None, :], x_pass], dim=-1)
+        return rotate(x, cos, sin)
