@@ -43,11 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("qsa_select_triton", "qsa_attention_triton")
 
 
-def baseline_modules(rev: str, folder: Path) -> dict:
-    """The QSA kernel modules as of git revision `rev`, imported from copies in `folder`."""
+def baseline_modules(rev: str, folder: Path, source_dir: Path | None = None) -> dict:
+    """The QSA kernel modules as of git revision `rev` (or, from source_dir, the files saved from it: a
+    tree without git history), imported from copies in `folder`."""
     loaded = {}
     for name in MODULES:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/freetoken/kernels/{name}.py"], capture_output=True, text=True, check=True).stdout
+        if source_dir is not None:
+            source = (source_dir / f"{name}.py").read_text()
+        else:
+            source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/freetoken/kernels/{name}.py"], capture_output=True, text=True, check=True).stdout
         module_name = f"{name}_{re.sub(r'[^0-9A-Za-z]', '_', rev)}"
         path = folder / f"{module_name}.py"
         path.write_text(source)
@@ -110,6 +114,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("-k", type=int, default=3, help="draft tokens: a verify block has k + 1 rows")
     ap.add_argument("--baseline", default="cd33797", help="git revision of the baseline kernels (cd33797: one attention program per (row, KV head), 31-pass select)")
+    ap.add_argument("--baseline-dir", type=Path, default=None,
+                    help="a folder with the baseline's qsa_select_triton.py and qsa_attention_triton.py (git show REV:src/freetoken/kernels/NAME.py), where the tree has no git history")
     ap.add_argument("--partitions", type=int, nargs="+", default=[qsa_ref.PARTITION], help="qsa_ref.PARTITION values to time")
     ap.add_argument("--select-chunks", type=int, nargs="+", default=[qsa_select_triton.SELECT_CHUNK], help="qsa_select_triton.SELECT_CHUNK values to time")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -121,7 +127,7 @@ def main() -> None:
     shipped = (qsa_ref.PARTITION, qsa_select_triton.SELECT_CHUNK)
     records = []
     with tempfile.TemporaryDirectory() as folder:
-        old = baseline_modules(args.baseline, Path(folder))
+        old = baseline_modules(args.baseline, Path(folder), args.baseline_dir)
         for context in args.contexts:
             for rows in (1, args.k + 1):
                 gen = torch.Generator(device="cuda").manual_seed(context + rows)
