@@ -36,9 +36,9 @@ SAMPLED = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.9, top_p=0.95,
 
 
 @lru_cache(maxsize=None)
-def _llm(path: str, spec: str) -> LLM:
+def _llm(path: str, spec: str, device: str = "cpu", dtype: str = "float32") -> LLM:
     k = 0 if spec == "none" else 2
-    return LLM(path, EngineConfig(max_num_seqs=4, max_model_len=512, spec=spec, num_draft_tokens=k, seed=7))
+    return LLM(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=4, max_model_len=512, spec=spec, num_draft_tokens=k, seed=7))
 
 
 def _encoded(llm: LLM, prompts):
@@ -85,6 +85,16 @@ def test_qwen35_dense_dflash_identical_images_share_pages_exactly(tmp_path):
     hf = write_redrawn_checkpoint("qwen35_dense", tmp_path / "hf")
     unified = convert_unified(hf, tmp_path / "unified", dflash=FIXTURES / "qwen35_dense_dflash" / "dflash")
     _check_cache_on_equals_off(_llm(str(unified), "dflash"), SamplingParams(max_new_tokens=NEW_TOKENS))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen35_dense", "qwen4_exp"])
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_identical_images_share_pages_exactly_on_the_gpu(vl_checkpoints, vl_qwen4_exp, family, spec):  # noqa: F811
+    """bf16 on the Triton kernels, decode and verify graphed where the model allows it."""
+    path = vl_checkpoints["qwen35_dense"][1] if family == "qwen35_dense" else vl_qwen4_exp["default"][1]
+    _check_cache_on_equals_off(_llm(str(path), spec, "cuda", "bfloat16"), SamplingParams(max_new_tokens=NEW_TOKENS))
 
 
 @torch.no_grad()
