@@ -71,7 +71,7 @@ def test_image_prompts_with_graphs_on_equal_graphs_off(vl_qwen4_exp):  # noqa: F
     from freetoken.llm import LLM
     from tests.engine.test_image_prompts import IMAGES, PROMPTS
 
-    llm = LLM(str(vl_qwen4_exp["yarn"][1]), EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=512))
+    llm = LLM(str(vl_qwen4_exp["default"][1]), EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=4, max_model_len=512))
     assert DecodeGraphs.supported(llm.model, torch.device("cuda")) and not llm.model.graphs_cover_image_prompts
     texts, images = [p for p, _ in PROMPTS], [[IMAGES[i] for i in names] for _, names in PROMPTS]
     params = [SamplingParams(max_new_tokens=n) for n in (8, 8, 24)]  # the text-only prompt runs on alone
