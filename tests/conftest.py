@@ -228,7 +228,8 @@ def run_rows(model, ids: list[int], *, block_size: int = 16):
     from freetoken.forward_context import ForwardMode
 
     dtype = "bfloat16" if next(model.parameters()).dtype == torch.bfloat16 else "float32"
-    engine = LLMEngine(model, EngineConfig(dtype=dtype, max_num_seqs=2, max_model_len=256, block_size=block_size))
+    device = next(model.parameters()).device.type  # the pools on the model's device
+    engine = LLMEngine(model, EngineConfig(device=device, dtype=dtype, max_num_seqs=2, max_model_len=256, block_size=block_size))
     table: list[int] = []
     engine.kv_pool.grow(table, len(ids))
     slot = engine.state_pool.allocate()
