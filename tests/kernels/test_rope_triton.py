@@ -11,7 +11,7 @@ from tests.kernels.conftest import DEVICES  # noqa: E402
 from freetoken.kernels import norm_ref, rope_triton  # noqa: E402
 from freetoken.kernels.attention_ref import store_kv  # noqa: E402
 from freetoken.kernels.rope_ref import apply_rope, mrope_axes, rope_freqs, rope_inv_freq  # noqa: E402
-from freetoken.models.qwen4_exp.ops import per_row  # noqa: E402
+from freetoken.kernels.rope_ref import row_by_row as per_row  # noqa: E402
 
 
 def make(device, dtype, n, hq=4, hkv=2, d=32, rot=16, slots=20, seed=0):

@@ -50,7 +50,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
 
 
-def _row_by_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def row_by_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) computed one row (dim 0) at a time on CPU, in one call elsewhere; fn is elementwise."""
     if x.is_cuda or x.shape[0] <= 1:
         return fn(x)
@@ -62,8 +62,8 @@ def scaled_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, axes: torch.
     """positions [N] (or [3, N] with axes, mrope_axes as a tensor) -> cos, sin [N, 2 * len(inv_freq)] in dtype:
     fp32 cos and sin of the angles times scale, then cast (as transformers applies YaRN's attention factor)."""
     freqs = rope_freqs(positions, inv_freq, axes)
-    cos = _row_by_row(lambda f: f.cos() * scale, freqs)
-    sin = _row_by_row(lambda f: f.sin() * scale, freqs)
+    cos = row_by_row(lambda f: f.cos() * scale, freqs)
+    sin = row_by_row(lambda f: f.sin() * scale, freqs)
     return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
 
 
